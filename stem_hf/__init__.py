@@ -1,0 +1,29 @@
+"""stem-hf: STEM (Scaling Transformers with Embedding Modules) for Hugging Face Transformers.
+
+Importing the package registers the `"stem"` architecture with the Auto classes, and marks the model files to be copied
+next to the weights on `save_pretrained`, so checkpoints also load with `trust_remote_code=True` where this package is not
+installed.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_stem import STEM_RATIOS, StemConfig, resolve_stem_layers
+from .modeling_stem import StemForCausalLM, StemModel, StemPreTrainedModel
+
+__version__ = "0.1.0"
+
+AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)
+AutoModel.register(StemConfig, StemModel, exist_ok=True)
+AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
+StemConfig.register_for_auto_class()
+StemModel.register_for_auto_class("AutoModel")
+StemForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "STEM_RATIOS",
+    "StemConfig",
+    "StemForCausalLM",
+    "StemModel",
+    "StemPreTrainedModel",
+    "resolve_stem_layers",
+]

@@ -1,0 +1,121 @@
+"""STEM model configuration.
+
+Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
+"""
+
+from collections.abc import Sequence
+
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+STEM_RATIOS = ("1/3", "1/2", "full")
+_ALLOWED_STEM_LAYERS = (
+    'a list of distinct layer indices, a comma-separated string of them ("1,4,7"), '
+    '"" or "none" for no STEM layer, or a ratio: "full" (every layer but 0) or "1/N" for an integer N >= 2 '
+    '(the paper uses "1/3" and "1/2")'
+)
+
+
+def resolve_stem_layers(spec: str | Sequence[int] | None, num_hidden_layers: int) -> list[int]:
+    """Turns a STEM layer spec into the sorted explicit list of layer indices that the config stores.
+
+    Ratios follow the paper: evenly spaced with stride N starting at layer 1, never layer 0, so `"1/3"` of 16 layers is
+    `[1, 4, 7, 10, 13]` and `"1/2"` is the odd layers. `"full"` is every layer but 0. An explicit list may name layer 0.
+    """
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text in ("", "none"):
+            return []
+        if text == "full":
+            return list(range(1, num_hidden_layers))
+        if text.startswith("1/"):
+            stride = text[2:]
+            if not stride.isdigit() or int(stride) < 2:
+                raise ValueError(f"stem_layers: unknown ratio {spec!r}; allowed values are {_ALLOWED_STEM_LAYERS}")
+            return list(range(1, num_hidden_layers, int(stride)))
+        try:
+            layers = [int(part) for part in text.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"stem_layers: cannot read {spec!r}; allowed values are {_ALLOWED_STEM_LAYERS}"
+            ) from None
+    else:
+        layers = list(spec)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+            raise ValueError(f"stem_layers: {spec!r} holds a non-integer; allowed values are {_ALLOWED_STEM_LAYERS}")
+    out_of_range = [i for i in layers if not 0 <= i < num_hidden_layers]
+    if out_of_range:
+        raise ValueError(
+            f"stem_layers: layer index {out_of_range[0]} is out of range; allowed indices are 0..{num_hidden_layers - 1} "
+            f"(num_hidden_layers={num_hidden_layers})"
+        )
+    duplicates = sorted({i for i in layers if layers.count(i) > 1})
+    if duplicates:
+        raise ValueError(f"stem_layers: layer index {duplicates[0]} is listed more than once; each layer may appear once")
+    return sorted(layers)
+
+
+class StemConfig(PreTrainedConfig):
+    r"""Configuration of a STEM model: a Llama-family decoder whose FFN up-projection is replaced, in the layers listed in
+    `stem_layers`, by a per-layer `[vocab_size, intermediate_size]` table indexed by the input token id.
+
+    Args:
+        stem_layers: the layers whose up-projection is a table. Accepts an explicit list, a comma-separated string, or
+            a ratio (`"1/3"`, `"1/2"`, `"full"`, any `"1/N"`); it is always resolved to, and saved as, an explicit
+            sorted list.
+        qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3-style checkpoints).
+
+    The other fields mean what they mean in `LlamaConfig`.
+
+    ```python
+    >>> from stem_hf import StemConfig
+    >>> StemConfig(num_hidden_layers=16, stem_layers="1/3").stem_layers
+    [1, 4, 7, 10, 13]
+    ```"""
+
+    model_type = "stem"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    stem_layers: list[int] | str | None = "1/3"
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of transformers' config validation: shapes that the attention cannot run with."""
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+
+
+__all__ = ["StemConfig", "resolve_stem_layers", "STEM_RATIOS"]

@@ -1,0 +1,553 @@
+"""STEM: Scaling Transformers with Embedding Modules (arXiv 2601.10639) as a transformers causal LM.
+
+A Llama-family decoder in which the FFN of each layer listed in `config.stem_layers` computes
+`down_proj(SiLU(gate_proj(x)) * U_l[t])`: the up-projection is replaced by a row of a per-layer table `U_l` indexed by
+the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a Llama state dict loads as is when
+`stem_layers` is empty.
+
+Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_stem import StemConfig, resolve_stem_layers
+
+logger = logging.get_logger(__name__)
+
+
+class StemRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class StemRotaryEmbedding(nn.Module):
+    def __init__(self, config: StemConfig):
+        super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        # Non-persistent: `PreTrainedModel._init_weights` recomputes both after a meta-device load.
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: StemConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+):
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class StemAttention(nn.Module):
+    """Grouped-query attention with RoPE; optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2)."""
+
+    def __init__(self, config: StemConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        if config.qk_norm:
+            self.q_norm = StemRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = StemRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.qk_norm:
+            query_states = self.q_norm(query_states)
+            key_states = self.k_norm(key_states)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class StemMLP(nn.Module):
+    """The dense SwiGLU FFN of the layers not listed in `stem_layers`."""
+
+    def __init__(self, config: StemConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StemTableMLP(nn.Module):
+    """A STEM FFN: `down_proj(SiLU(gate_proj(x)) * rows)`, where `rows` are this layer's table rows for the input tokens.
+
+    It owns no table: the model's `StemTables` does, so an offload engine can fetch every STEM layer's rows for a batch in
+    one pass. This module only consumes rows.
+    """
+
+    def __init__(self, config: StemConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # Cast the gathered rows, never the table: tables may be stored in another dtype or live on another device.
+        rows = rows.to(device=x.device, dtype=x.dtype)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * rows)
+
+
+class StemTable(nn.Embedding):
+    """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
+    the token embedding and give it the paper's xavier-normal init."""
+
+
+class StemTableRows:
+    """The table rows of one batch, handed out per STEM layer.
+
+    This default gathers each layer's rows when that layer asks, inside the layer's (possibly checkpointed) forward, so
+    activation checkpointing recomputes rows instead of keeping them. An offload engine returns an object with the same
+    `__getitem__` that serves rows it gathered for all layers at once.
+    """
+
+    def __init__(self, tables: "StemTables", stem_input_ids: torch.LongTensor):
+        self.tables = tables
+        self.stem_input_ids = stem_input_ids
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        return self.tables[str(layer_idx)](self.stem_input_ids)
+
+
+class StemTables(nn.ModuleDict):
+    """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`."""
+
+    def __init__(self, config: StemConfig):
+        super().__init__(
+            {str(i): StemTable(config.vocab_size, config.intermediate_size) for i in config.stem_layers}
+        )
+
+    def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
+        return StemTableRows(self, stem_input_ids)
+
+    @torch.no_grad()
+    def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
+        """Gives every table `new_num_tokens` rows. Kept rows are copied; new rows are the mean of the old rows
+        (`mean_resizing=True`: the table's best guess for a token it knows nothing about) or drawn from the paper's
+        xavier-normal init (`mean_resizing=False`)."""
+        for key, old in list(self.items()):
+            old_num_tokens, dim = old.weight.shape
+            if old_num_tokens == new_num_tokens:
+                continue
+            new = StemTable(new_num_tokens, dim, device=old.weight.device, dtype=old.weight.dtype)
+            kept = min(old_num_tokens, new_num_tokens)
+            new.weight[:kept] = old.weight[:kept]
+            if new_num_tokens > old_num_tokens:
+                if mean_resizing:
+                    new.weight[old_num_tokens:] = old.weight.float().mean(0).to(old.weight.dtype)
+                else:
+                    new.weight[old_num_tokens:].normal_(0.0, xavier_normal_std(new_num_tokens, dim))
+            new.weight.requires_grad_(old.weight.requires_grad)
+            self[key] = new
+
+
+def xavier_normal_std(vocab_size: int, intermediate_size: int) -> float:
+    return math.sqrt(2.0 / (vocab_size + intermediate_size))
+
+
+class StemDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: StemConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_stem = layer_idx in config.stem_layers
+        self.self_attn = StemAttention(config=config, layer_idx=layer_idx)
+        self.mlp = StemTableMLP(config) if self.is_stem else StemMLP(config)
+        self.input_layernorm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        stem_rows: StemTableRows | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        if self.is_stem:
+            hidden_states = self.mlp(hidden_states, stem_rows[self.layer_idx])
+        else:
+            hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
+    """Raises if `ids` holds an id outside `[0, vocab_size)`. On a GPU an out-of-range gather is a device-side assert
+    that kills the process, so the check runs before any lookup (one host sync per forward)."""
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside [0, {vocab_size}): vocab_size is {vocab_size}")
+
+
+class StemPreTrainedModel(PreTrainedModel):
+    config: StemConfig
+    config_class = StemConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["StemDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "hidden_states": StemDecoderLayer,
+        "attentions": StemAttention,
+    }
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, StemTable):
+            # The paper's init: xavier-normal over the [vocab, d_ff] table, tiny next to a normal up-projection output.
+            init.normal_(module.weight, mean=0.0, std=xavier_normal_std(*module.weight.shape))
+        else:
+            super()._init_weights(module)
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """Resizes the token embedding, the LM head and every STEM table. New table rows are the mean of the existing
+        rows when `mean_resizing` (the default), else drawn from the xavier-normal init of a fresh table."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.base_model.stem_tables.resize(embeddings.num_embeddings, mean_resizing)
+        return embeddings
+
+    # Accounting. Conventions follow the paper: the token embedding and the LM head count as active parameters, and a
+    # STEM layer activates one table row (intermediate_size parameters) per token.
+    def num_table_parameters(self) -> int:
+        """Parameters held in STEM tables."""
+        return sum(p.numel() for p in self.base_model.stem_tables.parameters())
+
+    def num_active_parameters(self) -> int:
+        """Parameters that one token's forward uses: everything but the tables, plus one row per STEM layer."""
+        rows = len(self.config.stem_layers) * self.config.intermediate_size
+        return self.num_parameters() - self.num_table_parameters() + rows
+
+    def num_dense_parameters(self) -> int:
+        """Parameters of the dense model of the same shape (each table replaced by an up-projection)."""
+        config = self.config
+        up_proj = config.hidden_size * config.intermediate_size + (config.intermediate_size if config.mlp_bias else 0)
+        return self.num_parameters() - self.num_table_parameters() + len(config.stem_layers) * up_proj
+
+    def flops_per_token(self, context_length: int, dense: bool = False) -> int:
+        """Forward FLOPs (2 per multiply-add) of one token that attends to `context_length` positions, LM head included.
+
+        `dense=True` gives the dense model of the same shape. Per STEM layer, STEM saves `2 * hidden * intermediate`
+        FLOPs. For a causal sequence of length L the mean context is (L + 1) / 2; the paper's saved-fraction formula
+        `d_ff / (4d + 2L + 3 d_ff)` uses L.
+        """
+        config = self.config
+        d, d_ff, hd = config.hidden_size, config.intermediate_size, config.head_dim
+        q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        attention = 2 * d * q_width + 2 * d * kv_width + 2 * q_width * context_length
+        n_stem = 0 if dense else len(config.stem_layers)
+        mlp = 3 * d * d_ff * (config.num_hidden_layers - n_stem) + 2 * d * d_ff * n_stem
+        return 2 * (attention * config.num_hidden_layers + mlp + d * config.vocab_size)
+
+
+class StemModel(StemPreTrainedModel):
+    def __init__(self, config: StemConfig):
+        super().__init__(config)
+        # A config edited after construction may hold a ratio string again: the model builds from the explicit list.
+        config.stem_layers = resolve_stem_layers(config.stem_layers, config.num_hidden_layers)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [StemDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.stem_tables = StemTables(config)
+        self.norm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = StemRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        stem_input_ids: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        r"""
+        stem_input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The token ids used for the STEM table lookups; defaults to `input_ids`. Passing other ids than the text's
+            own edits what the model knows about those positions (the paper's knowledge editing).
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        vocab_size = self.config.vocab_size
+        if input_ids is not None:
+            check_token_ids(input_ids, vocab_size, "input_ids")
+        if stem_input_ids is None:
+            stem_input_ids = input_ids
+        elif stem_input_ids is not input_ids:
+            check_token_ids(stem_input_ids, vocab_size, "stem_input_ids")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+
+        stem_rows = None
+        if self.config.stem_layers:
+            if stem_input_ids is None:
+                raise ValueError(
+                    f"this model has STEM layers {self.config.stem_layers}, whose tables are indexed by token ids: "
+                    "pass `stem_input_ids` (batch_size, sequence_length) along with `inputs_embeds`"
+                )
+            if stem_input_ids.shape != inputs_embeds.shape[:2]:
+                raise ValueError(
+                    f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the inputs have (batch_size, "
+                    f"sequence_length) = {tuple(inputs_embeds.shape[:2])}: give one table id per input position"
+                )
+            stem_rows = self.stem_tables(stem_input_ids)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                stem_rows=stem_rows,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: StemConfig):
+        super().__init__(config)
+        self.model = StemModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        stem_input_ids: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        stem_input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The token ids used for the STEM table lookups; defaults to `input_ids`.
+
+        ```python
+        >>> from transformers import AutoModelForCausalLM
+        >>> model = AutoModelForCausalLM.from_pretrained("path/to/stem-model", trust_remote_code=True)
+        >>> out = model.generate(input_ids, max_new_tokens=20)
+        ```"""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            stem_input_ids=stem_input_ids,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["StemForCausalLM", "StemModel", "StemPreTrainedModel"]
