@@ -30,8 +30,8 @@ def resolve_stem_layers(spec: str | Sequence[int] | None, num_hidden_layers: int
             return []
         if text == "full":
             return list(range(1, num_hidden_layers))
-        if text.startswith("1/"):
-            stride = text[2:]
+        if "/" in text:
+            stride = text[2:] if text.startswith("1/") else ""
             if not stride.isdigit() or int(stride) < 2:
                 raise ValueError(f"stem_layers: unknown ratio {spec!r}; allowed values are {_ALLOWED_STEM_LAYERS}")
             return list(range(1, num_hidden_layers, int(stride)))
@@ -106,16 +106,13 @@ class StemConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)
-        super().__post_init__(**kwargs)
-
-    def validate_architecture(self):
-        """Part of transformers' config validation: shapes that the attention cannot run with."""
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads})"
             )
+        self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)
+        super().__post_init__(**kwargs)
 
 
 __all__ = ["StemConfig", "resolve_stem_layers", "STEM_RATIOS"]

@@ -1,0 +1,77 @@
+import json
+
+import pytest
+
+from stem_hf import StemConfig, resolve_stem_layers
+from tests.conftest import tiny_config
+
+
+@pytest.mark.parametrize(
+    ("spec", "layers", "expected"),
+    [
+        ("1/3", 16, [1, 4, 7, 10, 13]),  # the paper's 1B model
+        ("1/2", 16, [1, 3, 5, 7, 9, 11, 13, 15]),
+        ("full", 16, list(range(1, 16))),
+        ("1/3", 30, [1, 4, 7, 10, 13, 16, 19, 22, 25, 28]),
+        ("FULL", 3, [1, 2]),
+        ("1/4", 9, [1, 5]),
+        ("1/3", 1, []),
+        ("7, 1,4", 8, [1, 4, 7]),
+        ("", 8, []),
+        ("none", 8, []),
+        (None, 8, []),
+        ([5, 0, 2], 8, [0, 2, 5]),
+        ((), 8, []),
+    ],
+)
+def test_resolve_stem_layers(spec, layers, expected):
+    assert resolve_stem_layers(spec, layers) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("2/3", "unknown ratio '2/3'"),
+        ("1/1", "unknown ratio '1/1'"),
+        ("1/x", "unknown ratio"),
+        ("half", "cannot read 'half'"),
+        ([1, 8], "layer index 8 is out of range; allowed indices are 0..7"),
+        ([-1], "layer index -1 is out of range"),
+        ("1,3,3", "layer index 3 is listed more than once"),
+        ([1.0], "non-integer"),
+        ([True], "non-integer"),
+    ],
+)
+def test_bad_stem_layers_name_field_and_allowed_values(spec, message):
+    with pytest.raises(ValueError, match="stem_layers") as info:
+        resolve_stem_layers(spec, 8)
+    assert message in str(info.value)
+    if "ratio" in message or "cannot read" in message:
+        assert '"full"' in str(info.value) and '"1/3"' in str(info.value)
+
+
+def test_config_stores_explicit_list_and_round_trips(tmp_path):
+    config = tiny_config(num_hidden_layers=7, stem_layers="1/2", qk_norm=True)
+    assert config.stem_layers == [1, 3, 5]
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["stem_layers"] == [1, 3, 5]
+    assert saved["model_type"] == "stem" and saved["qk_norm"] is True
+    loaded = StemConfig.from_pretrained(tmp_path)
+    assert loaded.stem_layers == [1, 3, 5] and loaded.qk_norm is True
+    assert loaded.rope_parameters == config.rope_parameters
+
+
+def test_config_defaults_resolve():
+    config = StemConfig(num_hidden_layers=16)
+    assert config.stem_layers == [1, 4, 7, 10, 13]
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert config.head_dim == config.hidden_size // config.num_attention_heads
+    assert config.rope_parameters["rope_type"] == "default"
+
+
+def test_invalid_config_raises_at_construction():
+    with pytest.raises(ValueError, match="stem_layers: layer index 4 is out of range"):
+        tiny_config(stem_layers=[4])
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config(num_attention_heads=4, num_key_value_heads=3)
