@@ -2,50 +2,15 @@
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import stem_hf
 from stem_hf import StemForCausalLM
+from stem_hf.remote_check import load_without_package
 from tests.conftest import TINY, tiny_model
-
-# Runs in a fresh interpreter: blocks `stem_hf` (the editable install would otherwise find it), loads the checkpoint
-# through the Auto class, and writes its logits.
-LOAD_WITHOUT_PACKAGE = textwrap.dedent(
-    """
-    import importlib.abc, importlib.util, sys
-
-    class BlockStemHf(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "stem_hf" or name.startswith("stem_hf."):
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
-
-    sys.meta_path.insert(0, BlockStemHf())
-    try:
-        import stem_hf  # noqa: F401
-        sys.exit("stem_hf is importable: the test would not exercise the copied code")
-    except ModuleNotFoundError:
-        pass
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    checkpoint, inputs, out = sys.argv[1:4]
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    assert type(model).__name__ == "StemForCausalLM"
-    input_ids = torch.load(inputs)
-    with torch.no_grad():
-        logits = model(input_ids).logits
-        generated = model.generate(input_ids, max_new_tokens=4, do_sample=False)
-    torch.save({"logits": logits, "generated": generated}, out)
-    """
-)
-
 
 def test_save_pretrained_writes_auto_map_and_flat_code(tmp_path):
     tiny_model().save_pretrained(tmp_path)
@@ -71,24 +36,21 @@ def test_remote_code_only_imports_torch_and_transformers():
 
 def test_loads_with_trust_remote_code_without_the_package(tmp_path):
     model = tiny_model()
-    checkpoint = tmp_path / "checkpoint"
-    model.save_pretrained(checkpoint)
+    model.save_pretrained(tmp_path)
     input_ids = torch.randint(3, TINY["vocab_size"], (2, 6))
-    torch.save(input_ids, tmp_path / "inputs.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    script = tmp_path / "load.py"
-    script.write_text(LOAD_WITHOUT_PACKAGE)
-    result = subprocess.run(
-        [sys.executable, str(script), str(checkpoint), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "modules" / "transformers_modules").is_dir()
-    out = torch.load(tmp_path / "out.pt")
+    out = load_without_package(tmp_path, input_ids, max_new_tokens=4)
+    assert out["module"].startswith("transformers_modules"), out["module"]
     with torch.no_grad():
         assert torch.equal(out["logits"], model(input_ids).logits)
         assert torch.equal(out["generated"], model.generate(input_ids, max_new_tokens=4, do_sample=False))
+
+
+def test_blocked_load_really_cannot_import_the_package(tmp_path):
+    # The check itself must fail when the copied code is missing, or it proves nothing.
+    tiny_model().save_pretrained(tmp_path)
+    (tmp_path / "modeling_stem.py").unlink()
+    with pytest.raises(RuntimeError, match="without stem_hf failed"):
+        load_without_package(tmp_path, torch.tensor([[3, 4]]))
 
 
 def test_loads_through_auto_class_with_package_imported(tmp_path):

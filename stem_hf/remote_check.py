@@ -1,0 +1,64 @@
+"""Loads a saved checkpoint the way a user without stem_hf does: in a fresh interpreter where `import stem_hf` fails,
+through `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`, so only the code copied next to the weights
+can run. Used by `stem-hf demo` and the tests.
+
+Run as a file (`python path/to/remote_check.py CHECKPOINT INPUTS OUT`), never with `-m`: that would import the package.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def load_without_package(checkpoint: str | os.PathLike, input_ids: torch.Tensor, max_new_tokens: int = 4) -> dict:
+    """Returns `{"logits", "generated", "module"}` computed by the checkpoint's own copied code in a subprocess.
+
+    `HF_MODULES_CACHE` points at a temporary folder, so the code comes from the checkpoint, not from an earlier load.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        torch.save({"input_ids": input_ids, "max_new_tokens": max_new_tokens}, tmp / "inputs.pt")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(HF_MODULES_CACHE=str(tmp / "modules"), HF_HUB_OFFLINE="1")
+        result = subprocess.run(
+            [sys.executable, __file__, str(checkpoint), str(tmp / "inputs.pt"), str(tmp / "out.pt")],
+            cwd=tmp, env=env, capture_output=True, text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"loading {checkpoint} without stem_hf failed:\n{result.stderr[-4000:]}")
+        return torch.load(tmp / "out.pt")
+
+
+def _main(checkpoint: str, inputs: str, out: str) -> None:
+    import importlib.abc
+
+    class BlockStemHf(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "stem_hf" or name.startswith("stem_hf."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked: this load must use the copied code)")
+
+    sys.meta_path.insert(0, BlockStemHf())
+    sys.path = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
+    try:
+        import stem_hf  # noqa: F401
+
+        sys.exit("stem_hf is importable: this load would not exercise the copied code")
+    except ModuleNotFoundError:
+        pass
+
+    from transformers import AutoModelForCausalLM
+
+    args = torch.load(inputs)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(args["input_ids"]).logits
+        generated = model.generate(args["input_ids"], max_new_tokens=args["max_new_tokens"], do_sample=False)
+    torch.save({"logits": logits, "generated": generated, "module": type(model).__module__}, out)
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:4])
