@@ -18,6 +18,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 demo: $(STAMP)
 	$(VENV)/bin/stem-hf demo

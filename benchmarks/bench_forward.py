@@ -14,8 +14,15 @@ from tqdm import tqdm
 
 from stem_hf import StemConfig, StemForCausalLM
 
-SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=8, max_position_embeddings=2048)
+SHAPE = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=2048,
+)
 
 
 def main() -> None:

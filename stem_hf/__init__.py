@@ -1,8 +1,8 @@
 """stem-hf: STEM (Scaling Transformers with Embedding Modules) for Hugging Face Transformers.
 
-Importing the package registers the `"stem"` architecture with the Auto classes, and marks the model files to be copied
-next to the weights on `save_pretrained`, so checkpoints also load with `trust_remote_code=True` where this package is not
-installed.
+Importing the package registers the `"stem"` architecture with the Auto classes and marks the model files to be
+copied next to the weights on `save_pretrained`, so checkpoints also load with `trust_remote_code=True` where this
+package is not installed.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

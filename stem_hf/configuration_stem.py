@@ -38,9 +38,7 @@ def resolve_stem_layers(spec: str | Sequence[int] | None, num_hidden_layers: int
         try:
             layers = [int(part) for part in text.split(",")]
         except ValueError:
-            raise ValueError(
-                f"stem_layers: cannot read {spec!r}; allowed values are {_ALLOWED_STEM_LAYERS}"
-            ) from None
+            raise ValueError(f"stem_layers: cannot read {spec!r}; allowed values are {_ALLOWED_STEM_LAYERS}") from None
     else:
         layers = list(spec)
         if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
@@ -48,18 +46,21 @@ def resolve_stem_layers(spec: str | Sequence[int] | None, num_hidden_layers: int
     out_of_range = [i for i in layers if not 0 <= i < num_hidden_layers]
     if out_of_range:
         raise ValueError(
-            f"stem_layers: layer index {out_of_range[0]} is out of range; allowed indices are 0..{num_hidden_layers - 1} "
+            f"stem_layers: layer index {out_of_range[0]} is out of range; "
+            f"allowed indices are 0..{num_hidden_layers - 1} "
             f"(num_hidden_layers={num_hidden_layers})"
         )
     duplicates = sorted({i for i in layers if layers.count(i) > 1})
     if duplicates:
-        raise ValueError(f"stem_layers: layer index {duplicates[0]} is listed more than once; each layer may appear once")
+        raise ValueError(
+            f"stem_layers: layer index {duplicates[0]} is listed more than once; each layer may appear once"
+        )
     return sorted(layers)
 
 
 class StemConfig(PreTrainedConfig):
-    r"""Configuration of a STEM model: a Llama-family decoder whose FFN up-projection is replaced, in the layers listed in
-    `stem_layers`, by a per-layer `[vocab_size, intermediate_size]` table indexed by the input token id.
+    r"""Configuration of a STEM model: a Llama-family decoder whose FFN up-projection is replaced, in the layers
+    listed in `stem_layers`, by a per-layer `[vocab_size, intermediate_size]` table indexed by the input token id.
 
     Args:
         stem_layers: the layers whose up-projection is a table. Accepts an explicit list, a comma-separated string, or

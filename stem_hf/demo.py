@@ -13,10 +13,23 @@ from .modeling_stem import StemForCausalLM
 from .remote_check import load_without_package
 
 # Llama-3.2-1B's shape with an untied head: the paper's 1B model.
-PAPER_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8)
-DEMO_SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=6,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+PAPER_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
+DEMO_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def run_demo(out_dir: str | Path = "runs/demo") -> dict:
@@ -25,9 +38,11 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict:
     print(f"{'stem_layers':>12} {'total':>8} {'tables':>8} {'active':>8} {'dense':>8} {'FLOPs/dense @2048':>18}")
     for ratio in ("1/3", "1/2", "full"):
         s = summarize(StemConfig(**PAPER_1B, stem_layers=ratio))
-        print(f"{ratio:>12} {s['total_params'] / 1e9:7.2f}B {s['table_params'] / 1e9:7.2f}B "
-              f"{s['active_params_per_token'] / 1e9:7.2f}B {s['dense_params'] / 1e9:7.2f}B "
-              f"{s['flops_ratio_stem_over_dense']:18.3f}")
+        print(
+            f"{ratio:>12} {s['total_params'] / 1e9:7.2f}B {s['table_params'] / 1e9:7.2f}B "
+            f"{s['active_params_per_token'] / 1e9:7.2f}B {s['dense_params'] / 1e9:7.2f}B "
+            f"{s['flops_ratio_stem_over_dense']:18.3f}"
+        )
 
     torch.manual_seed(0)
     config = StemConfig(**DEMO_SHAPE, stem_layers="1/2")
@@ -44,8 +59,10 @@ def run_demo(out_dir: str | Path = "runs/demo") -> dict:
     with torch.no_grad():
         expected = model(input_ids).logits
     diff = (remote["logits"] - expected).abs().max().item()
-    print(f"\nloaded back with trust_remote_code in a fresh interpreter without stem_hf ({remote['module']}) "
-          f"in {time.perf_counter() - start:.1f}s: max |logit diff| = {diff:.1e}")
+    print(
+        f"\nloaded back with trust_remote_code in a fresh interpreter without stem_hf ({remote['module']}) "
+        f"in {time.perf_counter() - start:.1f}s: max |logit diff| = {diff:.1e}"
+    )
     print(f"greedy continuation of row 0: {remote['generated'][0, 16:].tolist()}")
     if diff != 0.0:
         raise SystemExit("the copied code does not reproduce the model's logits")

@@ -203,10 +203,10 @@ class StemMLP(nn.Module):
 
 
 class StemTableMLP(nn.Module):
-    """A STEM FFN: `down_proj(SiLU(gate_proj(x)) * rows)`, where `rows` are this layer's table rows for the input tokens.
+    """A STEM FFN: `down_proj(SiLU(gate_proj(x)) * rows)`, `rows` being this layer's table rows for the input tokens.
 
-    It owns no table: the model's `StemTables` does, so an offload engine can fetch every STEM layer's rows for a batch in
-    one pass. This module only consumes rows.
+    It owns no table: the model's `StemTables` does, so an offload engine can fetch every STEM layer's rows for a batch
+    in one pass. This module only consumes rows.
     """
 
     def __init__(self, config: StemConfig):
@@ -246,9 +246,7 @@ class StemTables(nn.ModuleDict):
     """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`."""
 
     def __init__(self, config: StemConfig):
-        super().__init__(
-            {str(i): StemTable(config.vocab_size, config.intermediate_size) for i in config.stem_layers}
-        )
+        super().__init__({str(i): StemTable(config.vocab_size, config.intermediate_size) for i in config.stem_layers})
 
     def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
         return StemTableRows(self, stem_input_ids)

@@ -26,7 +26,10 @@ def load_without_package(checkpoint: str | os.PathLike, input_ids: torch.Tensor,
         env.update(HF_MODULES_CACHE=str(tmp / "modules"), HF_HUB_OFFLINE="1")
         result = subprocess.run(
             [sys.executable, __file__, str(checkpoint), str(tmp / "inputs.pt"), str(tmp / "out.pt")],
-            cwd=tmp, env=env, capture_output=True, text=True,
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if result.returncode != 0:
             raise RuntimeError(f"loading {checkpoint} without stem_hf failed:\n{result.stderr[-4000:]}")

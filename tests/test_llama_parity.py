@@ -1,4 +1,4 @@
-"""Exactness anchor: with no STEM layer, a StemForCausalLM is a LlamaForCausalLM (and, with qk_norm, a Qwen3ForCausalLM)."""
+"""Exactness anchor: with no STEM layer a StemForCausalLM is a LlamaForCausalLM (with qk_norm, a Qwen3ForCausalLM)."""
 
 import pytest
 import torch
@@ -22,7 +22,9 @@ def _ids_and_left_padded_mask(vocab_size: int):
 @pytest.mark.parametrize("tied", [False, True])
 def test_llama_state_dict_gives_same_logits(attn_implementation, padded, tied):
     llama = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied, attn_implementation=attn_implementation))
-    stem = StemForCausalLM(tiny_config(stem_layers=[], tie_word_embeddings=tied, attn_implementation=attn_implementation))
+    stem = StemForCausalLM(
+        tiny_config(stem_layers=[], tie_word_embeddings=tied, attn_implementation=attn_implementation)
+    )
     assert stem.config._attn_implementation == attn_implementation
     stem.load_state_dict(llama.state_dict(), strict=True)  # no renaming: Llama's names are STEM's names
     llama.eval(), stem.eval()
@@ -42,9 +44,7 @@ def test_llama_state_dict_gives_same_logits(attn_implementation, padded, tied):
 def test_llama_checkpoint_loads_with_from_pretrained(tmp_path):
     llama = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
     llama.save_pretrained(tmp_path)
-    stem, info = StemForCausalLM.from_pretrained(
-        tmp_path, config=tiny_config(stem_layers=[]), output_loading_info=True
-    )
+    stem, info = StemForCausalLM.from_pretrained(tmp_path, config=tiny_config(stem_layers=[]), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     input_ids = torch.randint(0, TINY["vocab_size"], (2, 9))
     with torch.no_grad():

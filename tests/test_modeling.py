@@ -250,8 +250,9 @@ def test_accounting_on_tiny_model():
 def test_saved_flop_fraction_matches_paper_formula():
     # Multi-head attention, one layer, no LM head: the paper's d_ff / (4d + 2L + 3 d_ff) per STEM layer.
     d, d_ff, L = 64, 256, 100
-    config = StemConfig(vocab_size=1, hidden_size=d, intermediate_size=d_ff, num_hidden_layers=1,
-                        num_attention_heads=4, stem_layers=[0])
+    config = StemConfig(
+        vocab_size=1, hidden_size=d, intermediate_size=d_ff, num_hidden_layers=1, num_attention_heads=4, stem_layers=[0]
+    )
     with torch.device("meta"):
         model = StemForCausalLM(config)
     dense, stem = model.flops_per_token(L, dense=True), model.flops_per_token(L)
@@ -261,8 +262,15 @@ def test_saved_flop_fraction_matches_paper_formula():
 
 def test_accounting_reproduces_paper_1b_sizes():
     # Llama-3.2-1B shape with untied head, as counted in the paper: dense 1.50B; STEM-1/3 1.41B active.
-    config = StemConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                        num_attention_heads=32, num_key_value_heads=8, stem_layers="1/3")
+    config = StemConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        stem_layers="1/3",
+    )
     with torch.device("meta"):
         model = StemForCausalLM(config)
     assert config.stem_layers == [1, 4, 7, 10, 13]

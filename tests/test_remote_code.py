@@ -12,6 +12,7 @@ from stem_hf import StemForCausalLM
 from stem_hf.remote_check import load_without_package
 from tests.conftest import TINY, tiny_model
 
+
 def test_save_pretrained_writes_auto_map_and_flat_code(tmp_path):
     tiny_model().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
