@@ -9,6 +9,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 STEM_RATIOS = ("1/3", "1/2", "full")
+TABLE_DTYPES = ("bfloat16", "float16", "float32")
 _ALLOWED_STEM_LAYERS = (
     'a list of distinct layer indices, a comma-separated string of them ("1,4,7"), '
     '"" or "none" for no STEM layer, or a ratio: "full" (every layer but 0) or "1/N" for an integer N >= 2 '
@@ -67,6 +68,11 @@ class StemConfig(PreTrainedConfig):
             a ratio (`"1/3"`, `"1/2"`, `"full"`, any `"1/N"`); it is always resolved to, and saved as, an explicit
             sorted list.
         qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3-style checkpoints).
+        table_dtype: the dtype tables are created, stored and served in (`"bfloat16"`, `"float16"` or `"float32"`).
+            Loading makes no copy of a table stored in this dtype, and model-wide casts (`model.half()`) leave tables
+            alone; `model.set_table_dtype` changes it. Train tables in `"float32"`, as the paper does.
+        keep_tables_on_cpu: when the model is moved to an accelerator (`.to("cuda")`, `device_map`), tables stay in
+            host memory and each forward moves only the rows of the batch's distinct tokens.
 
     The other fields mean what they mean in `LlamaConfig`.
 
@@ -101,6 +107,8 @@ class StemConfig(PreTrainedConfig):
     mlp_bias: bool = False
     qk_norm: bool = False
     stem_layers: list[int] | str | None = "1/3"
+    table_dtype: str = "bfloat16"
+    keep_tables_on_cpu: bool = True
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -112,8 +120,10 @@ class StemConfig(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads})"
             )
+        if self.table_dtype not in TABLE_DTYPES:
+            raise ValueError(f"table_dtype: {self.table_dtype!r} is not one of {', '.join(TABLE_DTYPES)}")
         self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)
         super().__post_init__(**kwargs)
 
 
-__all__ = ["StemConfig", "resolve_stem_layers", "STEM_RATIOS"]
+__all__ = ["StemConfig", "resolve_stem_layers", "STEM_RATIOS", "TABLE_DTYPES"]

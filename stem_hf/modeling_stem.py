@@ -9,6 +9,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 """
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,8 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_stem import StemConfig, resolve_stem_layers
+from .configuration_stem import TABLE_DTYPES, StemConfig, resolve_stem_layers
+from .storage_stem import TABLE_KEY, check_checkpoint_files, finish_checkpoint, staged_folder
 
 logger = logging.get_logger(__name__)
 
@@ -230,26 +232,65 @@ class StemTableRows:
     """The table rows of one batch, handed out per STEM layer.
 
     This default gathers each layer's rows when that layer asks, inside the layer's (possibly checkpointed) forward, so
-    activation checkpointing recomputes rows instead of keeping them. An offload engine returns an object with the same
-    `__getitem__` that serves rows it gathered for all layers at once.
+    activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a model on an
+    accelerator is read on the host for the batch's distinct ids only, and only those rows cross to the accelerator.
+    An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
     """
 
     def __init__(self, tables: "StemTables", stem_input_ids: torch.LongTensor):
         self.tables = tables
         self.stem_input_ids = stem_input_ids
+        self._unique = None
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
-        return self.tables[str(layer_idx)](self.stem_input_ids)
+        table = self.tables[str(layer_idx)]
+        ids = self.stem_input_ids
+        table_device = table.weight.device
+        if table_device == ids.device or table_device.type == "meta":  # meta: an accelerate hook brings the weight
+            return table(ids)
+        return self.gather_unique(table, ids)
+
+    def gather_unique(self, table: nn.Embedding, ids: torch.LongTensor) -> torch.Tensor:
+        """Rows for `ids` from a table on another device: looks up each distinct id once on the table's device and
+        moves only those rows to the device of `ids`. Differentiable, so host-resident tables also train."""
+        if self._unique is None:  # deduplicate once per forward, for every layer
+            unique, inverse = torch.unique(ids.to(table.weight.device), return_inverse=True)
+            self._unique = unique, inverse.to(ids.device, non_blocking=True)
+        unique, inverse = self._unique
+        return table(unique).to(ids.device, non_blocking=True)[inverse]
 
 
 class StemTables(nn.ModuleDict):
-    """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`."""
+    """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`.
+
+    Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
+    accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
+    """
 
     def __init__(self, config: StemConfig):
-        super().__init__({str(i): StemTable(config.vocab_size, config.intermediate_size) for i in config.stem_layers})
+        dtype = getattr(torch, config.table_dtype)
+        super().__init__(
+            {str(i): StemTable(config.vocab_size, config.intermediate_size, dtype=dtype) for i in config.stem_layers}
+        )
+        self.config = config
 
     def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
         return StemTableRows(self, stem_input_ids)
+
+    def _apply(self, fn, recurse=True):
+        weight = next(self.parameters(), None)
+        if weight is None:
+            return super()._apply(fn, recurse)
+        # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
+        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
+        device = probe.device
+        if self.config.keep_tables_on_cpu and device.type != "cpu":
+            device = weight.device
+        if probe.dtype == weight.dtype and device == probe.device:
+            return super()._apply(fn, recurse)  # no cast and no refused move: e.g. share_memory_, a move to CPU
+        if device == weight.device:
+            return self
+        return super()._apply(lambda t: t.to(device), recurse)
 
     @torch.no_grad()
     def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
@@ -352,6 +393,65 @@ class StemPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=xavier_normal_std(*module.weight.shape))
         else:
             super()._init_weights(module)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, after checking a local checkpoint's files: a missing shard, a truncated or
+        corrupt file, or a table whose shape disagrees with the config raises an error naming the file and tensor.
+
+        On CPU, tables stored in `config.table_dtype` load as zero-copy views on a private memory map of their files:
+        only the rows a forward touches are read, and writing to a table never alters its file.
+        """
+        folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder", ""))
+        if os.path.isdir(folder):
+            config = kwargs.get("config")
+            if not isinstance(config, StemConfig):
+                config = StemConfig.from_pretrained(
+                    pretrained_model_name_or_path, subfolder=kwargs.get("subfolder", "")
+                )
+            check_checkpoint_files(folder, config.vocab_size, config.intermediate_size, config.stem_layers)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        is_main_process: bool = True,
+        state_dict: dict | None = None,
+        push_to_hub: bool = False,
+        max_shard_size: int | str = "50GB",
+        **kwargs,
+    ) -> None:
+        """`PreTrainedModel.save_pretrained`, with the tables in their own `stem-tables-XXXXX-of-YYYYY.safetensors` files
+        (in `config.table_dtype`, at most `max_shard_size` each) listed with the dense shards in one
+        `model.safetensors.index.json`. The save is staged in a folder beside `save_directory` and committed by renames,
+        so an interrupted save never leaves half-written files in place of a good checkpoint."""
+        if getattr(self, "_hf_peft_config_loaded", False) or not is_main_process:  # adapters hold no tables
+            return super().save_pretrained(
+                save_directory, is_main_process, state_dict, push_to_hub, max_shard_size, **kwargs
+            )
+        if kwargs.get("variant"):
+            raise ValueError("variant: STEM checkpoints are saved without weight-file variants")
+        hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
+        if state_dict is None:
+            state_dict = self.state_dict()
+        tables = {name: tensor for name, tensor in state_dict.items() if TABLE_KEY.search(name)}
+        dense = {name: tensor for name, tensor in state_dict.items() if name not in tables}
+        with staged_folder(save_directory) as staging:
+            super().save_pretrained(staging, state_dict=dense, max_shard_size=max_shard_size, **kwargs)
+            dtype = getattr(torch, self.config.table_dtype)
+            finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters())
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
+            self.push_to_hub(repo_id, max_shard_size=max_shard_size, token=kwargs.get("token"), **hub_kwargs)
+
+    def set_table_dtype(self, dtype: torch.dtype | str) -> None:
+        """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""
+        name = str(dtype).removeprefix("torch.")
+        if name not in TABLE_DTYPES:
+            raise ValueError(f"table_dtype: {name!r} is not one of {', '.join(TABLE_DTYPES)}")
+        self.config.table_dtype = name
+        for table in self.base_model.stem_tables.values():
+            table.to(getattr(torch, name))
 
     def resize_token_embeddings(
         self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True

@@ -1,13 +1,13 @@
 """A saved STEM checkpoint carries its own code: it loads with trust_remote_code where stem_hf cannot be imported."""
 
+import ast
 import json
-import os
+import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import stem_hf
 from stem_hf import StemForCausalLM
 from stem_hf.remote_check import load_without_package
 from tests.conftest import TINY, tiny_model
@@ -24,15 +24,24 @@ def test_save_pretrained_writes_auto_map_and_flat_code(tmp_path):
     assert {"configuration_stem.py", "modeling_stem.py"} <= {p.name for p in tmp_path.iterdir()}
 
 
-def test_remote_code_only_imports_torch_and_transformers():
-    package = os.path.dirname(stem_hf.__file__)
-    for name in ("configuration_stem.py", "modeling_stem.py"):
-        for line in open(os.path.join(package, name)):
-            if line.startswith(("import ", "from ")):
-                module = line.split()[1]
-                assert module.split(".")[0] in ("torch", "transformers", "math", "collections") or (
-                    module.startswith(".") and not module.startswith("..") and "." not in module[1:]
-                ), f"{name}: {line.strip()}"
+def test_copied_code_is_flat_and_imports_only_torch_and_transformers(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    copied = sorted(p.name for p in tmp_path.glob("*.py"))
+    assert copied == ["configuration_stem.py", "modeling_stem.py", "storage_stem.py"]
+    for name in copied:
+        tree = ast.parse((tmp_path / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    assert node.level == 1 and node.module and "." not in node.module, f"{name}: line {node.lineno}"
+                    continue
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                assert root in ("torch", "transformers") or root in sys.stdlib_module_names, f"{name}: imports {root}"
 
 
 def test_loads_with_trust_remote_code_without_the_package(tmp_path):
