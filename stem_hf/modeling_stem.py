@@ -421,8 +421,8 @@ class StemPreTrainedModel(PreTrainedModel):
         max_shard_size: int | str = "50GB",
         **kwargs,
     ) -> None:
-        """`PreTrainedModel.save_pretrained`, with the tables in their own `stem-tables-XXXXX-of-YYYYY.safetensors` files
-        (in `config.table_dtype`, at most `max_shard_size` each) listed with the dense shards in one
+        """`PreTrainedModel.save_pretrained`, with the tables in their own `stem-tables-XXXXX-of-YYYYY.safetensors`
+        files (in `config.table_dtype`, at most `max_shard_size` each) listed with the dense shards in one
         `model.safetensors.index.json`. The save is staged in a folder beside `save_directory` and committed by renames,
         so an interrupted save never leaves half-written files in place of a good checkpoint."""
         if getattr(self, "_hf_peft_config_loaded", False) or not is_main_process:  # adapters hold no tables
