@@ -10,8 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stem_hf import StemForCausalLM
-from stem_hf import storage_stem
+from stem_hf import StemForCausalLM, storage_stem
 from stem_hf.modeling_stem import StemTableRows
 from tests.conftest import tiny_model
 
