@@ -18,6 +18,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -32,6 +33,9 @@ from .configuration_stem import TABLE_DTYPES, StemConfig, resolve_stem_layers
 from .storage_stem import TABLE_KEY, check_checkpoint_files, finish_checkpoint, staged_folder
 
 logger = logging.get_logger(__name__)
+
+# What `from_pretrained` passes on to read a config from the Hub.
+_CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
 
 class StemRMSNorm(nn.Module):
@@ -403,14 +407,47 @@ class StemPreTrainedModel(PreTrainedModel):
         only the rows a forward touches are read, and writing to a table never alters its file.
         """
         folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder", ""))
-        if os.path.isdir(folder):
+        device_map = kwargs.get("device_map")
+        if os.path.isdir(folder) or device_map is not None:
             config = kwargs.get("config")
-            if not isinstance(config, StemConfig):
-                config = StemConfig.from_pretrained(
-                    pretrained_model_name_or_path, subfolder=kwargs.get("subfolder", "")
+            if getattr(config, "model_type", None) != StemConfig.model_type:
+                hub_kwargs = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
+                config = StemConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            if os.path.isdir(folder):
+                check_checkpoint_files(folder, config.vocab_size, config.intermediate_size, config.stem_layers)
+            if device_map is not None and config.keep_tables_on_cpu and config.stem_layers:
+                kwargs["device_map"] = cls._device_map_keeping_tables_on_cpu(
+                    config, device_map, kwargs.get("max_memory")
                 )
-            check_checkpoint_files(folder, config.vocab_size, config.intermediate_size, config.stem_layers)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def _device_map_keeping_tables_on_cpu(cls, config: StemConfig, device_map, max_memory: dict | None) -> dict:
+        """The device map transformers would use, with no entry that covers a table. Parameters outside the map load on
+        CPU and get no accelerate hook, so the tables stay in host memory (memory-mapped) and each forward moves only
+        the rows it needs; a "cpu" entry would instead copy the whole table to the accelerator at every forward."""
+        with torch.device("meta"):
+            model = cls(config)
+        tables = model.base_model.stem_tables
+        tables_name = next(name for name, module in model.named_modules() if module is tables)
+        device_map = check_and_set_device_map(device_map)
+        if isinstance(device_map, str):  # "auto", "balanced", ...: place the model as if it had no tables
+            for key in list(tables.keys()):
+                del tables[key]
+            device_map = _get_device_map(model, device_map, max_memory, None)
+        device_map = {k: v for k, v in device_map.items() if k != tables_name and not k.startswith(tables_name + ".")}
+        modules = dict(model.named_modules())
+        while (
+            covering := next((k for k in device_map if k == "" or tables_name.startswith(k + ".")), None)
+        ) is not None:
+            device = device_map.pop(covering)
+            prefix = f"{covering}." if covering else ""
+            parent = modules[covering]
+            children = [name for name, _ in parent.named_children()]
+            children += [name for name, _ in parent.named_parameters(recurse=False)]
+            children += [name for name, _ in parent.named_buffers(recurse=False)]
+            device_map.update({prefix + name: device for name in children if prefix + name != tables_name})
+        return device_map
 
     def save_pretrained(
         self,
@@ -597,6 +634,9 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         self.model = StemModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Tables are left out of device maps on purpose (see `_device_map_keeping_tables_on_cpu`); a non-None value
+        # makes transformers skip accelerate's check that every parameter has a device.
+        self._no_placement_params = [f"model.stem_tables.{i}.weight" for i in config.stem_layers]
         self.post_init()
 
     @can_return_tuple
