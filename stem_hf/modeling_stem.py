@@ -30,7 +30,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_stem import TABLE_DTYPES, StemConfig, resolve_stem_layers
-from .storage_stem import TABLE_KEY, check_checkpoint_files, finish_checkpoint, staged_folder
+from .storage_stem import (
+    TABLE_KEY,
+    advise_random_access,
+    check_checkpoint_files,
+    finish_checkpoint,
+    staged_folder,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -419,7 +425,11 @@ class StemPreTrainedModel(PreTrainedModel):
                 kwargs["device_map"] = cls._device_map_keeping_tables_on_cpu(
                     config, device_map, kwargs.get("max_memory")
                 )
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
+        for table in model.base_model.stem_tables.values():
+            advise_random_access(table.weight)
+        return loaded
 
     @classmethod
     def _device_map_keeping_tables_on_cpu(cls, config: StemConfig, device_map, max_memory: dict | None) -> dict:
