@@ -72,7 +72,8 @@ class StemConfig(PreTrainedConfig):
             Loading makes no copy of a table stored in this dtype, and model-wide casts (`model.half()`) leave tables
             alone; `model.set_table_dtype` changes it. Train tables in `"float32"`, as the paper does.
         keep_tables_on_cpu: when the model is moved to an accelerator (`.to("cuda")`, `device_map`), tables stay in
-            host memory and each forward moves only the rows of the batch's distinct tokens.
+            host memory and each forward moves only the rows of the batch's distinct tokens. Set it to False to train
+            with DDP or FSDP, which want every parameter on the accelerator.
 
     The other fields mean what they mean in `LlamaConfig`.
 

@@ -23,7 +23,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
@@ -316,7 +316,7 @@ class StemTables(nn.ModuleDict):
             new.weight[:kept] = old.weight[:kept]
             if new_num_tokens > old_num_tokens:
                 if mean_resizing:
-                    new.weight[old_num_tokens:] = old.weight.float().mean(0).to(old.weight.dtype)
+                    new.weight[old_num_tokens:] = old.weight.mean(0, dtype=torch.float32).to(old.weight.dtype)
                 else:
                     new.weight[old_num_tokens:].normal_(0.0, xavier_normal_std(new_num_tokens, dim))
             new.weight.requires_grad_(old.weight.requires_grad)
@@ -554,6 +554,9 @@ class StemModel(StemPreTrainedModel):
             [StemDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.stem_tables = StemTables(config)
+        # Left out of device maps on purpose (see `_device_map_keeping_tables_on_cpu`); a non-None value makes
+        # transformers skip accelerate's check that every parameter has a device.
+        self._no_placement_params = [f"stem_tables.{i}.weight" for i in config.stem_layers]
         self.norm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = StemRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -644,9 +647,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         self.model = StemModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Tables are left out of device maps on purpose (see `_device_map_keeping_tables_on_cpu`); a non-None value
-        # makes transformers skip accelerate's check that every parameter has a device.
-        self._no_placement_params = [f"model.stem_tables.{i}.weight" for i in config.stem_layers]
+        self._no_placement_params = [f"model.{name}" for name in self.model._no_placement_params]
         self.post_init()
 
     @can_return_tuple
@@ -682,7 +683,9 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
             stem_input_ids=stem_input_ids,
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        # An int keeps the last positions (0 keeps all); a tensor names the positions to keep.
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        hidden_states = outputs.last_hidden_state[:, keep, :]
         logits = self.lm_head(hidden_states)
 
         loss = None
