@@ -8,6 +8,7 @@ the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a
 Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
 """
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -294,12 +295,14 @@ class StemTables(nn.ModuleDict):
         # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
         probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
         device = probe.device
-        if self.config.keep_tables_on_cpu and device.type != "cpu":
-            device = weight.device
+        if self.config.keep_tables_on_cpu and device.type != "cpu" and device != weight.device:
+            device = torch.device("cpu")  # a refused move: stay in, or come to, host memory
         if probe.dtype == weight.dtype and device == probe.device:
             return super()._apply(fn, recurse)  # no cast and no refused move: e.g. share_memory_, a move to CPU
         if device == weight.device:
             return self
+        if weight.device.type == "meta":  # nothing to copy: `to_empty` to an accelerator lands tables on the CPU
+            return super()._apply(lambda t: torch.empty_like(t, device=device), recurse)
         return super()._apply(lambda t: t.to(device), recurse)
 
     @torch.no_grad()
@@ -412,18 +415,22 @@ class StemPreTrainedModel(PreTrainedModel):
         On CPU, tables stored in `config.table_dtype` load as zero-copy views on a private memory map of their files:
         only the rows a forward touches are read, and writing to a table never alters its file.
         """
-        folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder", ""))
+        path = pretrained_model_name_or_path
+        folder = None if path is None else os.path.join(os.fspath(path), kwargs.get("subfolder", ""))
         device_map = kwargs.get("device_map")
-        if os.path.isdir(folder) or device_map is not None:
+        if path is not None and (os.path.isdir(folder) or device_map is not None):
             config = kwargs.get("config")
             if getattr(config, "model_type", None) != StemConfig.model_type:
-                hub_kwargs = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
-                config = StemConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+                # The config from_pretrained will build: the saved one with the caller's overrides applied.
+                fields = {f.name for f in dataclasses.fields(StemConfig)}
+                overrides = {k: v for k, v in kwargs.items() if k in fields or k in _CONFIG_KWARGS}
+                config = StemConfig.from_pretrained(path, **overrides)
             if os.path.isdir(folder):
                 check_checkpoint_files(folder, config.vocab_size, config.intermediate_size, config.stem_layers)
             if device_map is not None and config.keep_tables_on_cpu and config.stem_layers:
+                dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
                 kwargs["device_map"] = cls._device_map_keeping_tables_on_cpu(
-                    config, device_map, kwargs.get("max_memory")
+                    config, device_map, kwargs.get("max_memory"), dtype
                 )
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
@@ -432,12 +439,16 @@ class StemPreTrainedModel(PreTrainedModel):
         return loaded
 
     @classmethod
-    def _device_map_keeping_tables_on_cpu(cls, config: StemConfig, device_map, max_memory: dict | None) -> dict:
+    def _device_map_keeping_tables_on_cpu(
+        cls, config: StemConfig, device_map, max_memory: dict | None = None, dtype: torch.dtype | str | None = None
+    ) -> dict:
         """The device map transformers would use, with no entry that covers a table. Parameters outside the map load on
         CPU and get no accelerate hook, so the tables stay in host memory (memory-mapped) and each forward moves only
         the rows it needs; a "cpu" entry would instead copy the whole table to the accelerator at every forward."""
+        if dtype is None or dtype == "auto":
+            dtype = config.dtype or torch.float32
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)  # sizes the map
         tables = model.base_model.stem_tables
         tables_name = next(name for name, module in model.named_modules() if module is tables)
         device_map = check_and_set_device_map(device_map)
@@ -472,7 +483,8 @@ class StemPreTrainedModel(PreTrainedModel):
         files (in `config.table_dtype`, at most `max_shard_size` each) listed with the dense shards in one
         `model.safetensors.index.json`. The save is staged in a folder beside `save_directory` and committed by renames,
         so an interrupted save never leaves half-written files in place of a good checkpoint."""
-        if getattr(self, "_hf_peft_config_loaded", False) or not is_main_process:  # adapters hold no tables
+        if getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process):
+            # Adapters hold no tables; other ranks take part in transformers' collective steps but write nothing.
             return super().save_pretrained(
                 save_directory, is_main_process, state_dict, push_to_hub, max_shard_size, **kwargs
             )
@@ -483,6 +495,17 @@ class StemPreTrainedModel(PreTrainedModel):
             state_dict = self.state_dict()
         tables = {name: tensor for name, tensor in state_dict.items() if TABLE_KEY.search(name)}
         dense = {name: tensor for name, tensor in state_dict.items() if name not in tables}
+        offloaded = [name for name, tensor in tables.items() if tensor.device.type == "meta"]
+        if offloaded:
+            raise ValueError(
+                f"{offloaded[0]} is offloaded to disk (on the meta device) and cannot be saved: load the model with "
+                "keep_tables_on_cpu=True (the default) or without a 'disk' entry for the tables in device_map"
+            )
+        if (
+            self._auto_class is not None
+        ):  # so AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model
+            auto_map = getattr(self.config, "auto_map", None) or {}
+            self.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
         with staged_folder(save_directory) as staging:
             super().save_pretrained(staging, state_dict=dense, max_shard_size=max_shard_size, **kwargs)
             dtype = getattr(torch, self.config.table_dtype)
@@ -649,6 +672,19 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._no_placement_params = [f"model.{name}" for name in self.model._no_placement_params]
         self.post_init()
+
+    def prepare_inputs_for_generation(self, input_ids, *args, stem_input_ids=None, **kwargs):
+        """Lets `generate` take `stem_input_ids` for the prompt: the tokens it generates look up their own rows."""
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if stem_input_ids is not None:
+            prompt_as_embeds = kwargs.get("inputs_embeds") is not None  # then input_ids holds only generated tokens
+            generated = input_ids if prompt_as_embeds else input_ids[:, stem_input_ids.shape[1] :]
+            full = torch.cat([stem_input_ids.to(input_ids.device), generated], dim=1)
+            step = model_inputs.get("input_ids")
+            if step is None:
+                step = model_inputs["inputs_embeds"]
+            model_inputs["stem_input_ids"] = full[:, full.shape[1] - step.shape[1] :]
+        return model_inputs
 
     @can_return_tuple
     def forward(

@@ -15,7 +15,7 @@ import torch
 
 
 def load_without_package(checkpoint: str | os.PathLike, input_ids: torch.Tensor, max_new_tokens: int = 4) -> dict:
-    """Returns `{"logits", "generated", "module"}` computed by the checkpoint's own copied code in a subprocess.
+    """Returns `{"logits", "generated", "hidden", "module"}` computed by the checkpoint's copied code in a subprocess.
 
     `HF_MODULES_CACHE` points at a temporary folder, so the code comes from the checkpoint, not from an earlier load.
     """
@@ -53,14 +53,15 @@ def _main(checkpoint: str, inputs: str, out: str) -> None:
     except ModuleNotFoundError:
         pass
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     args = torch.load(inputs)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
     with torch.no_grad():
         logits = model(args["input_ids"]).logits
         generated = model.generate(args["input_ids"], max_new_tokens=args["max_new_tokens"], do_sample=False)
-    torch.save({"logits": logits, "generated": generated, "module": type(model).__module__}, out)
+        hidden = AutoModel.from_pretrained(checkpoint, trust_remote_code=True)(args["input_ids"]).last_hidden_state
+    torch.save({"logits": logits, "generated": generated, "hidden": hidden, "module": type(model).__module__}, out)
 
 
 if __name__ == "__main__":

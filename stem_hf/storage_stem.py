@@ -188,7 +188,11 @@ def staged_folder(target: str | os.PathLike) -> Iterator[str]:
         raise NotADirectoryError(f"{target} is a file; save_pretrained needs a folder")
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=parent)
+    # Stage inside an existing target (same filesystem even if it is a mount point), beside a new one.
+    staging = tempfile.mkdtemp(prefix=".stem-saving-", dir=target if os.path.isdir(target) else parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; a new checkpoint gets the usual permissions
     try:
         yield staging
         for name in os.listdir(staging):
@@ -198,6 +202,8 @@ def staged_folder(target: str | os.PathLike) -> Iterator[str]:
         else:
             new = os.listdir(staging)
             stale = [f for f in os.listdir(target) if _WEIGHT_FILE.fullmatch(f) and f not in new]
+            for name in new:  # files mkstemp-like writers made private get the usual permissions too
+                os.chmod(os.path.join(staging, name), 0o666 & ~umask)
             for name in sorted(new, key=lambda f: f == SAFE_WEIGHTS_INDEX_NAME):
                 os.replace(os.path.join(staging, name), os.path.join(target, name))
             for name in stale:

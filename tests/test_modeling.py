@@ -277,3 +277,23 @@ def test_accounting_reproduces_paper_1b_sizes():
     assert round(model.num_dense_parameters() / 1e9, 2) == 1.50
     assert round(model.num_active_parameters() / 1e9, 2) == 1.41
     assert round(model.num_table_parameters() / 1e9, 2) == 5.25
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_takes_stem_input_ids_for_the_prompt(use_cache):
+    model = tiny_model()
+    input_ids = torch.randint(3, TINY["vocab_size"], (2, 6))
+    kwargs = dict(max_new_tokens=5, do_sample=False, use_cache=use_cache, attention_mask=torch.ones_like(input_ids))
+    plain = model.generate(input_ids, **kwargs)
+    assert torch.equal(model.generate(input_ids, stem_input_ids=input_ids, **kwargs), plain)
+
+    edited = input_ids.clone()
+    edited[:, 2] = 7
+    out = model.generate(input_ids, stem_input_ids=edited, output_logits=True, return_dict_in_generate=True, **kwargs)
+    with torch.no_grad():  # each step equals a full forward whose lookups use the edited prompt, then the new tokens
+        full_stem = torch.cat([edited, out.sequences[:, 6:]], dim=1)
+        logits = model(out.sequences, stem_input_ids=full_stem).logits
+    for step, step_logits in enumerate(out.logits):
+        assert torch.allclose(step_logits, logits[:, 5 + step], atol=1e-5), step
+    with torch.no_grad():
+        assert not torch.allclose(out.logits[0], model(input_ids).logits[:, -1])  # the edit reached the prompt

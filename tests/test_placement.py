@@ -5,6 +5,7 @@ import torch
 from transformers.integrations.accelerate import expand_device_map
 
 from stem_hf import StemForCausalLM
+from stem_hf.modeling_stem import StemTableRows
 from tests.conftest import tiny_model
 
 TABLE, DENSE = "model.stem_tables.1.weight", "model.layers.1.mlp.gate_proj.weight"
@@ -43,11 +44,39 @@ def test_explicit_table_entries_are_dropped_and_split_maps_kept():
     assert _placement(result)[TABLE] == "cpu"
 
 
-def test_disabling_keeps_the_map_as_transformers_makes_it(tmp_path):
-    model = tiny_model(keep_tables_on_cpu=False)
+def test_the_map_is_rewritten_only_when_tables_stay_on_cpu(tmp_path, monkeypatch):
+    model = tiny_model()
     model.save_pretrained(tmp_path)
-    reloaded = StemForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"})
-    assert reloaded.model.stem_tables["1"].weight.device.type == "cpu"
+    calls = []
+    rewrite = StemForCausalLM._device_map_keeping_tables_on_cpu.__func__
+    monkeypatch.setattr(
+        StemForCausalLM,
+        "_device_map_keeping_tables_on_cpu",
+        classmethod(lambda cls, *args: calls.append(args[1]) or rewrite(cls, *args)),
+    )
+    StemForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"})
+    assert calls == [{"": "cpu"}]
+    # The caller's override of the saved config is what decides, as it is what the loaded model gets.
+    reloaded = StemForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"}, keep_tables_on_cpu=False)
+    assert calls == [{"": "cpu"}] and reloaded.config.keep_tables_on_cpu is False
+
+
+def test_auto_map_is_sized_in_the_load_dtype():
+    config = tiny_model(vocab_size=4096).config
+    dense_params = sum(p.numel() for n, p in tiny_model(vocab_size=4096).named_parameters() if "stem_tables" not in n)
+    budget = {"cpu": int(dense_params * 2 * 1.3)}  # fits in bf16, not in fp32
+    bf16 = StemForCausalLM._device_map_keeping_tables_on_cpu(config, "auto", budget, torch.bfloat16)
+    fp32 = StemForCausalLM._device_map_keeping_tables_on_cpu(config, "auto", budget, torch.float32)
+    assert "disk" not in bf16.values() and "disk" in fp32.values()
+
+
+def test_rows_of_a_table_on_another_device_take_the_deduplicating_path(monkeypatch):
+    model = tiny_model()
+    seen = []
+    monkeypatch.setattr(StemTableRows, "gather_unique", lambda self, table, ids: seen.append(ids.device.type))
+    StemTableRows(model.model.stem_tables, torch.zeros(1, 3, dtype=torch.long, device="meta"))[1]
+    StemTableRows(model.model.stem_tables, torch.zeros(1, 3, dtype=torch.long))[1]
+    assert seen == ["meta"]  # ids elsewhere than the table: deduplicate; same device: plain lookup
 
 
 def test_device_map_load_keeps_tables_mapped_and_logits_equal(tmp_path):
@@ -60,7 +89,6 @@ def test_device_map_load_keeps_tables_mapped_and_logits_equal(tmp_path):
         reloaded = StemForCausalLM.from_pretrained(tmp_path, device_map=device_map)
         table = reloaded.model.stem_tables["1"].weight
         assert table.device.type == "cpu" and table.dtype == torch.bfloat16
-        assert not hasattr(reloaded.model.stem_tables["1"], "_hf_hook")
         with torch.no_grad():
             assert torch.equal(reloaded(input_ids).logits, expected)
         out = reloaded.generate(input_ids, max_new_tokens=3, do_sample=False)

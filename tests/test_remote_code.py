@@ -18,6 +18,7 @@ def test_save_pretrained_writes_auto_map_and_flat_code(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_stem.StemConfig",
+        "AutoModel": "modeling_stem.StemModel",
         "AutoModelForCausalLM": "modeling_stem.StemForCausalLM",
     }
     assert config["architectures"] == ["StemForCausalLM"]
@@ -53,6 +54,7 @@ def test_loads_with_trust_remote_code_without_the_package(tmp_path):
     with torch.no_grad():
         assert torch.equal(out["logits"], model(input_ids).logits)
         assert torch.equal(out["generated"], model.generate(input_ids, max_new_tokens=4, do_sample=False))
+        assert torch.equal(out["hidden"], model.model(input_ids).last_hidden_state)  # through AutoModel
 
 
 def test_blocked_load_really_cannot_import_the_package(tmp_path):

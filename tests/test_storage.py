@@ -291,3 +291,21 @@ def test_a_forward_pages_in_only_the_rows_it_touches(tmp_path):
         reloaded(torch.randperm(16384)[:64][None])
     resident = _table_resident_bytes()
     assert 64 * 4096 <= resident < 0.05 * table_bytes, resident / table_bytes
+
+
+def test_saved_files_get_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        tiny_model().save_pretrained(tmp_path / "new")
+        tiny_model().save_pretrained(tmp_path / "new")  # again, into the existing folder
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755
+    for path in (tmp_path / "new").iterdir():
+        assert path.stat().st_mode & 0o777 == 0o644, path.name
+    assert not [p for p in (tmp_path / "new").iterdir() if p.name.startswith(".stem-saving-")]
+
+
+def test_other_ranks_write_no_weights(tmp_path):
+    tiny_model().save_pretrained(tmp_path / "rank1", is_main_process=False)
+    assert not list((tmp_path / "rank1").glob("*.safetensors"))
