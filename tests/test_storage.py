@@ -163,7 +163,8 @@ def test_interrupted_save_leaves_the_old_checkpoint_intact(saved, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(folder)
     assert _digest(folder) == before
-    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".ckpt.saving-")]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(before)  # no staging folder left behind either
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".stem-saving-")]
     monkeypatch.undo()
 
     model.save_pretrained(folder)  # into the existing folder: other files stay, stale weight files go
@@ -309,3 +310,13 @@ def test_saved_files_get_the_usual_permissions(tmp_path):
 def test_other_ranks_write_no_weights(tmp_path):
     tiny_model().save_pretrained(tmp_path / "rank1", is_main_process=False)
     assert not list((tmp_path / "rank1").glob("*.safetensors"))
+
+
+def test_interrupted_save_to_a_new_folder_leaves_nothing(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage_stem, "safe_save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        tiny_model().save_pretrained(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
