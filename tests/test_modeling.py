@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from stem_hf import StemConfig, StemForCausalLM
+from stem_hf.demo import PAPER_1B
 from stem_hf.modeling_stem import StemMLP, StemTable, StemTableMLP, StemTableRows
 from tests.conftest import TINY, tiny_config, tiny_model
 
@@ -262,15 +263,7 @@ def test_saved_flop_fraction_matches_paper_formula():
 
 def test_accounting_reproduces_paper_1b_sizes():
     # Llama-3.2-1B shape with untied head, as counted in the paper: dense 1.50B; STEM-1/3 1.41B active.
-    config = StemConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        stem_layers="1/3",
-    )
+    config = StemConfig(**PAPER_1B, stem_layers="1/3")
     with torch.device("meta"):
         model = StemForCausalLM(config)
     assert config.stem_layers == [1, 4, 7, 10, 13]
