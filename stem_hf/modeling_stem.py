@@ -481,8 +481,9 @@ class StemPreTrainedModel(PreTrainedModel):
     ) -> None:
         """`PreTrainedModel.save_pretrained`, with the tables in their own `stem-tables-XXXXX-of-YYYYY.safetensors`
         files (in `config.table_dtype`, at most `max_shard_size` each) listed with the dense shards in one
-        `model.safetensors.index.json`. The save is staged in a folder beside `save_directory` and committed by renames,
-        so an interrupted save never leaves half-written files in place of a good checkpoint."""
+        `model.safetensors.index.json`. The save is staged in a hidden folder (beside a new `save_directory`, inside an
+        existing one) and committed by renames, so an interrupted save never leaves half-written files in place of a
+        good checkpoint."""
         if getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process):
             # Adapters hold no tables; other ranks take part in transformers' collective steps but write nothing.
             return super().save_pretrained(
@@ -501,9 +502,8 @@ class StemPreTrainedModel(PreTrainedModel):
                 f"{offloaded[0]} is offloaded to disk (on the meta device) and cannot be saved: load the model with "
                 "keep_tables_on_cpu=True (the default) or without a 'disk' entry for the tables in device_map"
             )
-        if (
-            self._auto_class is not None
-        ):  # so AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model
+        # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
+        if self._auto_class is not None:
             auto_map = getattr(self.config, "auto_map", None) or {}
             self.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
         with staged_folder(save_directory) as staging:
