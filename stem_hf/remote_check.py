@@ -19,6 +19,7 @@ def load_without_package(checkpoint: str | os.PathLike, input_ids: torch.Tensor,
 
     `HF_MODULES_CACHE` points at a temporary folder, so the code comes from the checkpoint, not from an earlier load.
     """
+    checkpoint = os.path.abspath(checkpoint)  # the subprocess runs elsewhere; a relative path would read as a Hub id
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         torch.save({"input_ids": input_ids, "max_new_tokens": max_new_tokens}, tmp / "inputs.pt")

@@ -29,14 +29,15 @@ def test_info_refuses_a_non_stem_config(tmp_path):
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "stem_hf.cli", "demo", "--out", str(tmp_path)],
+    result = subprocess.run(  # a relative --out, as `make demo` passes
+        [sys.executable, "-m", "stem_hf.cli", "demo", "--out", "demo-out"],
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max |logit diff| = 0.0e+00" in result.stdout
     report = json.loads(result.stdout[result.stdout.index("{") :])
     assert report["max_abs_logit_diff"] == 0.0 and report["stem_layers"] == [1, 3, 5]
-    assert (tmp_path / "stem-tiny" / "modeling_stem.py").is_file()
+    assert (tmp_path / "demo-out" / "stem-tiny" / "modeling_stem.py").is_file()
