@@ -68,6 +68,8 @@ class StemConfig(PreTrainedConfig):
             a ratio (`"1/3"`, `"1/2"`, `"full"`, any `"1/N"`); it is always resolved to, and saved as, an explicit
             sorted list.
         qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3-style checkpoints).
+        attention_out_bias: bias on the attention output projection; `None` follows `attention_bias` (Llama, Qwen3).
+            Qwen2 has biases on q, k and v only: `attention_bias=True, attention_out_bias=False`.
         table_dtype: the dtype tables are created, stored and served in (`"bfloat16"`, `"float16"` or `"float32"`).
             Loading makes no copy of a table stored in this dtype, and model-wide casts (`model.half()`) leave tables
             alone; `model.set_table_dtype` changes it. Train tables in `"float32"`, as the paper does.
@@ -104,6 +106,7 @@ class StemConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
+    attention_out_bias: bool | None = None
     attention_dropout: int | float | None = 0.0
     mlp_bias: bool = False
     qk_norm: bool = False
@@ -121,6 +124,8 @@ class StemConfig(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads})"
             )
+        if self.attention_out_bias is None:
+            self.attention_out_bias = self.attention_bias
         if self.table_dtype not in TABLE_DTYPES:
             raise ValueError(f"table_dtype: {self.table_dtype!r} is not one of {', '.join(TABLE_DTYPES)}")
         self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)

@@ -153,7 +153,9 @@ class StemAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias
+        )
         if config.qk_norm:
             self.q_norm = StemRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = StemRMSNorm(self.head_dim, eps=config.rms_norm_eps)

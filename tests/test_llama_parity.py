@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from stem_hf import StemForCausalLM
 from tests.conftest import TINY, tiny_config
@@ -15,6 +15,15 @@ def _ids_and_left_padded_mask(vocab_size: int):
     attention_mask[2, :9] = 0
     input_ids[attention_mask == 0] = TINY["pad_token_id"]
     return input_ids, attention_mask
+
+
+def _random_biases(model):
+    """Biases start at zero: randomize them, or a model that ignored them would pass."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    return model
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
@@ -52,9 +61,18 @@ def test_llama_checkpoint_loads_with_from_pretrained(tmp_path):
 
 
 def test_qk_norm_matches_qwen3():
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=8, attention_bias=True)).eval()
+    qwen3 = _random_biases(Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=8, attention_bias=True)).eval())
     stem = StemForCausalLM(tiny_config(stem_layers=[], head_dim=8, attention_bias=True, qk_norm=True)).eval()
     stem.load_state_dict(qwen3.state_dict(), strict=True)
     input_ids = torch.randint(0, TINY["vocab_size"], (2, 9))
     with torch.no_grad():
         assert (qwen3(input_ids).logits - stem(input_ids).logits).abs().max().item() < 1e-5
+
+
+def test_q_k_v_bias_without_output_bias_matches_qwen2():
+    qwen2 = _random_biases(Qwen2ForCausalLM(Qwen2Config(**TINY)).eval())
+    stem = StemForCausalLM(tiny_config(stem_layers=[], attention_bias=True, attention_out_bias=False)).eval()
+    stem.load_state_dict(qwen2.state_dict(), strict=True)
+    input_ids = torch.randint(0, TINY["vocab_size"], (2, 9))
+    with torch.no_grad():
+        assert (qwen2(input_ids).logits - stem(input_ids).logits).abs().max().item() < 1e-5
