@@ -12,18 +12,40 @@ def main(argv: list[str] | None = None) -> None:
     info.add_argument("checkpoint", help="a STEM checkpoint folder or Hub id (only its config is read)")
     info.add_argument("--context-length", type=int, default=2048, help="positions each token attends to")
 
-    demo = commands.add_parser("demo", help="a small end-to-end example")
-    demo.add_argument("--out", default="runs/demo", help="where to save the demo checkpoint")
+    demo = commands.add_parser("demo", help="convert SmolLM2-135M (or --source) to STEM, reload it, compare with dense")
+    demo.add_argument("--out", default="runs/demo", help="where to save the converted checkpoint")
+    demo.add_argument("--source", default=None, help="a dense checkpoint (default: the embedded SmolLM2-135M GGUF)")
+    demo.add_argument("--calibration-tokens", type=int, default=50_000)
+    demo.add_argument("--tiny", action="store_true", help="the one-second example on a random tiny model instead")
+
+    convert = commands.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint to STEM")
+    convert.add_argument("source", help="a checkpoint folder, a Hub id, or a .gguf file")
+    convert.add_argument("out", help="the folder to write the STEM checkpoint to")
+    convert.add_argument("--stem-layers", default="1/3", help='"1/3", "1/2", "full", "1/N" or "1,4,7"')
+    convert.add_argument("--init", default="fitted", choices=["fitted", "mean", "projected", "xavier"])
+    convert.add_argument("--calibration", nargs="*", default=None, help="text files (default: the bundled corpus)")
+    convert.add_argument("--heldout", nargs="*", default=None, help="text files (default: the bundled held-out set)")
+    convert.add_argument("--calibration-tokens", type=int, default=150_000)
+    convert.add_argument("--heldout-tokens", type=int, default=20_000)
+    convert.add_argument("--table-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
     args = parser.parse_args(argv)
     if args.command == "info":
         from .accounting import load_config, summarize
 
         print(json.dumps(summarize(load_config(args.checkpoint), args.context_length), indent=2))
-    elif args.command == "demo":
+    elif args.command == "demo" and args.tiny:
         from .demo import run_demo
 
         run_demo(args.out)
+    elif args.command == "demo":
+        from conversion.demo import run_demo
+
+        run_demo(args.out, args.source, args.calibration_tokens)
+    elif args.command == "convert":
+        from conversion.cli import run_convert
+
+        run_convert(args)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_info_refuses_a_non_stem_config(tmp_path):
 
 def test_demo_runs_end_to_end(tmp_path):
     result = subprocess.run(  # a relative --out, as `make demo` passes
-        [sys.executable, "-m", "stem_hf.cli", "demo", "--out", "demo-out"],
+        [sys.executable, "-m", "stem_hf.cli", "demo", "--tiny", "--out", "demo-out"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,0 +1,89 @@
+"""Per-token statistics of each STEM layer's dense FFN input, from running the dense model over calibration text.
+
+Streaming and bounded: accumulators hold one row per distinct calibration token (not per vocabulary entry), per chosen
+layer only, and the forward stops after the last chosen layer. Position 0 (the attention sink, a BOS token when the
+tokenizer has one) is kept apart: its FFN input is a function of that token alone, so it gets an exact row.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class LayerStats:
+    count: torch.Tensor  # [slots] occurrences at positions >= 1
+    sum_x: torch.Tensor  # [slots, hidden] summed FFN inputs
+    sum_w: torch.Tensor | None  # [slots, intermediate] summed SiLU(gate)^2: the weights of the fitted rows
+    sum_wu: torch.Tensor | None  # [slots, intermediate] summed SiLU(gate)^2 * up
+    first_x: torch.Tensor  # [hidden] summed FFN input at position 0
+    first_w: torch.Tensor | None  # [intermediate]
+    first_wu: torch.Tensor | None  # [intermediate]
+    first_count: int = 0
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.inference_mode()
+def calibrate(
+    model, chunks: list[torch.Tensor], layers: list[int], slots: torch.Tensor, fitted: bool
+) -> dict[int, LayerStats]:
+    """`chunks`: 1-D token id tensors, each run as one sequence. `slots`: [vocab] -> accumulator row (-1: unseen)."""
+    n_slots = int(slots.max()) + 1
+    hidden, inter = model.config.hidden_size, model.config.intermediate_size
+
+    def zeros(*shape):
+        return torch.zeros(*shape, dtype=torch.float32)
+
+    stats = {
+        layer: LayerStats(
+            count=zeros(n_slots),
+            sum_x=zeros(n_slots, hidden),
+            sum_w=zeros(n_slots, inter) if fitted else None,
+            sum_wu=zeros(n_slots, inter) if fitted else None,
+            first_x=zeros(hidden),
+            first_w=zeros(inter) if fitted else None,
+            first_wu=zeros(inter) if fitted else None,
+        )
+        for layer in layers
+    }
+    current = {}
+
+    def hook(layer):
+        mlp = model.model.layers[layer].mlp
+
+        def collect(module, args):
+            x = args[0][0].float()  # [seq, hidden]
+            s = stats[layer]
+            rest = current["slots"][1:]
+            s.count.index_add_(0, rest, torch.ones(len(rest)))
+            s.sum_x.index_add_(0, rest, x[1:])
+            s.first_x += x[0]
+            s.first_count += 1
+            if fitted:
+                w = mlp.act_fn(mlp.gate_proj(x)).pow(2)
+                wu = w * mlp.up_proj(x)
+                s.sum_w.index_add_(0, rest, w[1:])
+                s.sum_wu.index_add_(0, rest, wu[1:])
+                s.first_w += w[0]
+                s.first_wu += wu[0]
+            if layer == max(layers):
+                raise _Stop  # nothing after the last STEM layer is needed
+
+        return mlp.register_forward_pre_hook(collect)
+
+    handles = [hook(layer) for layer in layers]
+    try:
+        for chunk in tqdm(chunks, desc="calibrating", unit="chunk"):
+            current["slots"] = slots[chunk]
+            try:
+                model(chunk[None], use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats

@@ -1,0 +1,165 @@
+"""`convert`: a dense Llama-family checkpoint to a STEM checkpoint, with tables initialized from the dense weights."""
+
+import json
+import math
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+from stem_hf import StemForCausalLM
+
+from .calibrate import calibrate
+from .init_tables import calibrated_rows, projected_rows, ridge_map
+from .sources import load_source, stem_config_from_dense
+
+INITS = ("fitted", "mean", "projected", "xavier")
+ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
+
+
+def chunk_texts(texts, tokenizer, bos_token_id: int | None, chunk_len: int, max_tokens: int | None) -> list:
+    """1-D token id chunks of at most `chunk_len`, each starting with BOS when there is one. `texts` holds strings
+    (tokenized with `tokenizer`) or token id sequences."""
+    chunks, total = [], 0
+    body = chunk_len - (bos_token_id is not None)
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) else list(text)
+        for start in range(0, len(ids), body):
+            piece = ids[start : start + body]
+            if len(piece) < 2:
+                continue
+            if bos_token_id is not None:
+                piece = [bos_token_id, *piece]
+            chunks.append(torch.tensor(piece))
+            total += len(piece)
+            if max_tokens is not None and total >= max_tokens:
+                return chunks
+    return chunks
+
+
+@torch.inference_mode()
+def perplexity(model, chunks: list[torch.Tensor]) -> float:
+    """Token-level perplexity over `chunks` (each scored from its second token)."""
+    nll, count = 0.0, 0
+    for chunk in chunks:
+        logits = model(chunk[None]).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+        count += len(chunk) - 1
+    return math.exp(nll / max(count, 1))
+
+
+def _copy_dense_weights(dense, stem) -> None:
+    """Every dense weight but the STEM layers' up-projections, by name: STEM keeps Llama's names."""
+    dropped = {f"model.layers.{i}.mlp.up_proj.{p}" for i in stem.config.stem_layers for p in ("weight", "bias")}
+    state = {k: v for k, v in dense.state_dict().items() if k not in dropped}
+    missing, unexpected = stem.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "stem_tables" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"dense and STEM weights do not line up: missing {missing}, unexpected {unexpected}")
+
+
+@torch.inference_mode()
+def init_tables(dense, stem, init: str, chunks: list[torch.Tensor], shrink: float = 4.0, ridge: float = 1e-2) -> dict:
+    """Fills every table of `stem` from `dense`. Returns calibration facts for the report."""
+    layers, vocab = stem.config.stem_layers, stem.config.vocab_size
+    embed = dense.get_input_embeddings().weight.detach()
+    info = {"calibration_tokens": 0, "distinct_tokens": 0, "vocab_coverage": 0.0}
+    if init == "xavier" or not layers:
+        return info  # the model's own init
+    stats = slots = fallback = None
+    if init in ("mean", "fitted"):
+        if not chunks:
+            raise ValueError(f"init {init!r} needs calibration text (--calibration)")
+        ids = torch.cat([c[1:] for c in chunks])
+        seen = torch.unique(ids)
+        slots = torch.full((vocab,), -1, dtype=torch.long)
+        slots[seen] = torch.arange(len(seen))
+        stats = calibrate(dense, chunks, layers, slots.clamp(min=0), fitted=init == "fitted")
+        info = {
+            "calibration_tokens": sum(len(c) for c in chunks),
+            "distinct_tokens": len(seen),
+            "vocab_coverage": len(seen) / vocab,
+        }
+    bos = stem.config.bos_token_id if chunks and all(c[0] == stem.config.bos_token_id for c in chunks) else None
+    for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
+        dense_layer = dense.model.layers[layer]
+        table = stem.model.stem_tables[str(layer)].weight
+        if stats is not None:
+            s = stats[layer]
+            fallback = ridge_map(
+                embed, seen, s.sum_x[: len(seen)] / s.count[: len(seen), None].clamp(min=1), s.count, ridge
+            )
+        for start in range(0, vocab, ROW_BLOCK):
+            rows = slice(start, min(start + ROW_BLOCK, vocab))
+            if init == "projected":
+                block = projected_rows(dense_layer, embed, rows)
+            else:
+                block = calibrated_rows(dense_layer.mlp, stats[layer], slots, fallback, embed, rows, init, shrink, bos)
+            table[rows] = block.to(table.dtype)
+    return info
+
+
+def convert(
+    source,
+    out: str | os.PathLike | None = None,
+    stem_layers: str | list[int] = "1/3",
+    init: str = "fitted",
+    calibration=(),
+    calibration_tokens: int | None = None,
+    heldout=(),
+    heldout_tokens: int | None = None,
+    table_dtype: str = "bfloat16",
+    tokenizer=None,
+    chunk_len: int = 512,
+    shrink: float = 4.0,
+) -> tuple[StemForCausalLM, dict]:
+    """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
+
+    `calibration` and `heldout` hold texts (strings, tokenized with the source's tokenizer) or token id sequences; keep
+    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. Saves to `out` (with the
+    tokenizer, generation config and `conversion_report.json`) when given, and returns `(model, report)`.
+    """
+    if init not in INITS:
+        raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
+    start = time.perf_counter()
+    if isinstance(source, (str, os.PathLike)):
+        dense, loaded_tokenizer = load_source(os.fspath(source))
+        tokenizer = tokenizer or loaded_tokenizer
+        source_name = os.fspath(source)
+    else:
+        dense, source_name = source.eval(), source.config.name_or_path or type(source).__name__
+    config = stem_config_from_dense(dense.config, stem_layers, table_dtype)
+    stem = StemForCausalLM(config).eval()
+    _copy_dense_weights(dense, stem)
+    stem.generation_config = dense.generation_config
+    bos = config.bos_token_id
+    calib_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, calibration_tokens)
+    heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
+    calibration_info = init_tables(dense, stem, init, calib_chunks, shrink)
+    report = {
+        "source": source_name,
+        "source_architecture": type(dense).__name__,
+        "stem_layers": config.stem_layers,
+        "init": init,
+        "table_dtype": table_dtype,
+        **calibration_info,
+        "heldout_tokens": sum(len(c) for c in heldout_chunks),
+        "heldout_perplexity_dense": perplexity(dense, heldout_chunks) if heldout_chunks else None,
+        "heldout_perplexity_stem": perplexity(stem, heldout_chunks) if heldout_chunks else None,
+        "total_params": stem.num_parameters(),
+        "active_params_per_token": stem.num_active_parameters(),
+        "table_params": stem.num_table_parameters(),
+    }
+    if report["heldout_perplexity_dense"]:
+        report["perplexity_ratio"] = report["heldout_perplexity_stem"] / report["heldout_perplexity_dense"]
+    report["wall_time_s"] = time.perf_counter() - start
+    if out is not None:
+        stem.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        path = os.path.join(out, "conversion_report.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f, indent=2)
+        os.replace(path + ".tmp", path)
+    return stem, report

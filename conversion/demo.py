@@ -1,0 +1,80 @@
+"""`make demo`: converts the embedded SmolLM2-135M to STEM-1/3, saves it with table shards, loads it back through
+`trust_remote_code`, and compares it with the dense model."""
+
+import json
+import os
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from stem_hf.remote_check import load_without_package
+
+from .assets import corpora, smollm2_gguf
+from .convert import convert
+from .sources import load_source
+
+PROMPTS = ("Once upon a time, there was a little", "The capital of France is", "To be, or not to be,")
+
+
+def _continue(model, tokenizer, prompt: str, bos: int | None, new_tokens: int = 16) -> str:
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    if bos is not None:  # converted tables keep an exact row for the BOS token at position 0
+        ids = torch.cat([torch.tensor([[bos]]), ids], dim=1)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).replace("\n", " ")
+
+
+def run_demo(out: str = "runs/demo", source: str | None = None, calibration_tokens: int = 50_000) -> dict:
+    torch.set_flush_denormal(True)  # dequantized GGUF weights hold denormals: 4-5x slower CPU matmuls without this
+    source = source or smollm2_gguf()
+    texts = corpora()
+    dense, tokenizer = load_source(source)
+    checkpoint = os.path.join(out, "stem-1-3")
+    _, report = convert(
+        dense,
+        checkpoint,
+        stem_layers="1/3",
+        init="fitted",
+        calibration=texts["calibration"],
+        calibration_tokens=calibration_tokens,
+        heldout=texts["heldout"],
+        heldout_tokens=10_000,
+        tokenizer=tokenizer,
+    )
+    report["source"] = source
+    with open(os.path.join(checkpoint, "conversion_report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+
+    start = time.perf_counter()
+    stem = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
+    load_s = time.perf_counter() - start
+    probe = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    remote = load_without_package(checkpoint, probe, max_new_tokens=1)
+    with torch.no_grad():
+        remote_diff = (remote["logits"] - stem(probe).logits).abs().max().item()
+    table_bytes = sum(
+        os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint) if f.startswith("stem-tables-")
+    )
+
+    print(f"\nSTEM-1/3 of {os.path.basename(source)}: layers {report['stem_layers']}")
+    print(
+        f"  params: {report['total_params'] / 1e6:.0f}M total, {report['active_params_per_token'] / 1e6:.0f}M active "
+        f"per token (dense: {dense.num_parameters() / 1e6:.0f}M)"
+    )
+    print(
+        f"  tables: {table_bytes / 1e9:.2f} GB in {len([f for f in os.listdir(checkpoint) if 'stem-tables' in f])} "
+        f"files; load with trust_remote_code: {load_s:.1f} s; copied code without stem_hf: max |diff| {remote_diff:.1e}"
+    )
+    print(f"  calibration: {report['calibration_tokens']} tokens, {report['vocab_coverage']:.1%} of the vocabulary")
+    print(
+        f"  held-out perplexity ({report['heldout_tokens']} tokens): dense {report['heldout_perplexity_dense']:.1f}, "
+        f"STEM {report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x), no healing"
+    )
+    bos = stem.config.bos_token_id
+    for prompt in PROMPTS:
+        print(f"\n  {prompt!r}\n    dense: {_continue(dense, tokenizer, prompt, bos)}")
+        print(f"    STEM:  {_continue(stem, tokenizer, prompt, bos)}")
+    summary = {**report, "load_s": load_s, "table_bytes": table_bytes, "remote_code_max_abs_diff": remote_diff}
+    print(json.dumps(summary, indent=2))
+    return summary

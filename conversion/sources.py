@@ -1,0 +1,95 @@
+"""Dense source checkpoints: load them (folder, Hub id or .gguf file) and map their config onto a `StemConfig`, refusing
+what STEM cannot represent instead of converting it silently wrong."""
+
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from stem_hf import StemConfig
+
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _split_gguf(source: str) -> tuple[str, dict]:
+    if source.endswith(".gguf"):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"{source}: no such GGUF file")
+        return os.path.dirname(os.path.abspath(source)), {"gguf_file": os.path.basename(source)}
+    return source, {}
+
+
+def load_source_config(source: str) -> PreTrainedConfig:
+    path, extra = _split_gguf(source)
+    return AutoConfig.from_pretrained(path, **extra)
+
+
+def _refuse(config: PreTrainedConfig, feature: str) -> ValueError:
+    return ValueError(f"{config.model_type} checkpoint uses {feature}, which STEM does not implement; not converting")
+
+
+def stem_config_from_dense(
+    config: PreTrainedConfig, stem_layers: str | list[int], table_dtype: str = "bfloat16"
+) -> StemConfig:
+    """The `StemConfig` of a dense Llama, Mistral, Qwen2 or Qwen3 config, with `stem_layers` resolved."""
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
+        architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise ValueError(f"cannot convert {architecture}: supported source architectures are {supported}")
+    if getattr(config, "sliding_window", None) is not None and config.sliding_window < config.max_position_embeddings:
+        raise _refuse(config, f"sliding-window attention (window {config.sliding_window})")
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        raise _refuse(config, "per-layer attention types other than full attention")
+    rope = dict(config.rope_parameters)
+    if rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS):
+        raise _refuse(config, f"rope type {rope['rope_type']!r}")
+    if config.hidden_act not in ("silu", "swish"):
+        raise _refuse(config, f"a {config.hidden_act!r} gate (STEM here is SwiGLU)")
+    attention_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+    return StemConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=rope,
+        attention_bias=attention_bias,
+        attention_out_bias=attention_bias and config.model_type != "qwen2",  # Qwen2: q, k, v biases only
+        attention_dropout=config.attention_dropout,
+        mlp_bias=getattr(config, "mlp_bias", False),
+        qk_norm=config.model_type == "qwen3",
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        stem_layers=stem_layers,
+        table_dtype=table_dtype,
+    )
+
+
+def load_source(source: str):
+    """Returns `(dense_model, tokenizer_or_None)` in fp32 on CPU. Checks the architecture before reading any weight."""
+    config = load_source_config(source)
+    stem_config_from_dense(config, [])  # refuses unsupported sources early
+    path, extra = _split_gguf(source)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+    if getattr(model.config, "quantization_config", None) is not None:  # dequantized GGUF: plain fp32 weights now
+        del model.config.quantization_config
+        model.hf_quantizer = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    return model, tokenizer

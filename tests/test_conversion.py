@@ -1,0 +1,181 @@
+"""Dense -> STEM conversion on tiny random models built with transformers' own classes."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from conversion import convert, stem_config_from_dense
+from stem_hf import StemForCausalLM
+
+SHAPE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SOURCES = {
+    "llama": lambda tied: LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tied, attention_bias=True)),
+    "mistral": lambda tied: MistralForCausalLM(MistralConfig(**SHAPE, tie_word_embeddings=tied, sliding_window=None)),
+    "qwen2": lambda tied: Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=tied)),
+    "qwen3": lambda tied: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=8, tie_word_embeddings=tied)),
+}
+
+
+def _dense(kind: str, tied: bool = False):
+    torch.manual_seed(0)
+    model = SOURCES[kind](tied).eval()
+    with torch.no_grad():  # nonzero biases and norms, so that dropping one would show
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+def _texts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, SHAPE["vocab_size"], (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+@pytest.mark.parametrize("tied", [False, True])
+def test_no_stem_layers_reproduces_the_source(kind, tied, tmp_path):
+    dense = _dense(kind, tied)
+    dense.save_pretrained(tmp_path / "src")
+    stem, _ = convert(str(tmp_path / "src"), tmp_path / "out", stem_layers="")
+    input_ids = torch.randint(0, SHAPE["vocab_size"], (2, 11))
+    reloaded = StemForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        expected = dense(input_ids).logits
+        assert (stem(input_ids).logits - expected).abs().max().item() < 1e-4
+        assert (reloaded(input_ids).logits - expected).abs().max().item() < 1e-4
+
+
+def test_unsupported_architecture_is_refused_with_the_supported_list():
+    with pytest.raises(
+        ValueError,
+        match="cannot convert GPT2LMHeadModel: supported source architectures are "
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
+        stem_config_from_dense(GPT2Config(architectures=["GPT2LMHeadModel"]), "1/3")
+
+
+@pytest.mark.parametrize(
+    ("config", "feature"),
+    [
+        (MistralConfig(**SHAPE, sliding_window=16), "sliding-window attention"),
+        (Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding-window"),
+        (LlamaConfig(**SHAPE, hidden_act="gelu"), "'gelu' gate"),
+    ],
+)
+def test_features_stem_lacks_are_refused_by_name(config, feature):
+    with pytest.raises(ValueError, match=f"uses .*{feature}.*which STEM does not implement"):
+        stem_config_from_dense(config, "1/3")
+
+
+def test_a_window_longer_than_the_context_is_no_window():
+    config = stem_config_from_dense(MistralConfig(**SHAPE, sliding_window=128), "1/2")
+    assert config.stem_layers == [1, 3]
+
+
+@pytest.mark.parametrize("init", ["projected", "mean", "fitted"])
+def test_rows_are_what_each_init_promises(init):
+    dense = _dense("llama")
+    calibration = _texts(6, 200, seed=1)
+    stem, report = convert(
+        dense, stem_layers=[2], init=init, calibration=calibration, table_dtype="float32", chunk_len=50, shrink=0.0
+    )
+    layer, table = dense.model.layers[2], stem.model.stem_tables["2"].weight
+    embed = dense.model.embed_tokens.weight
+    if init == "projected":
+        expected = layer.mlp.up_proj(layer.post_attention_layernorm(embed))
+        assert torch.allclose(table, expected, atol=1e-5)
+        return
+    # Reference statistics by hand: the FFN inputs of layer 2 at every position but 0 of each 50-token chunk.
+    inputs = []
+    handle = layer.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0][0]))
+    chunks = [torch.tensor([1, *text[i : i + 49]]) for text in calibration for i in range(0, 200, 49)]
+    chunks = [c for c in chunks if len(c) >= 3]
+    with torch.no_grad():
+        for chunk in chunks:
+            dense(chunk[None])
+    handle.remove()
+    x = torch.cat([h[1:] for h in inputs])
+    ids = torch.cat([c[1:] for c in chunks])
+    token = int(ids.mode().values)
+    xs = x[ids == token]
+    with torch.no_grad():
+        if init == "mean":
+            expected = layer.mlp.up_proj(xs.mean(0))
+        else:
+            w = F.silu(layer.mlp.gate_proj(xs)).pow(2)
+            expected = (w * layer.mlp.up_proj(xs)).sum(0) / w.sum(0)
+        assert torch.allclose(table[token], expected, atol=1e-4)
+        # The BOS row is the exact position-0 row: position 0 of the converted model is the dense model's.
+        probe = torch.tensor([[1, 5, 9, 13]])
+        assert torch.allclose(stem(probe).logits[0, 0], dense(probe).logits[0, 0], atol=1e-4)
+    assert report["calibration_tokens"] == sum(len(c) for c in chunks)
+    assert report["distinct_tokens"] == len(ids.unique())
+
+
+def test_calibrated_inits_need_calibration_text():
+    with pytest.raises(ValueError, match="init 'fitted' needs calibration text"):
+        convert(_dense("llama"), stem_layers=[1], init="fitted")
+    with pytest.raises(ValueError, match="init: 'best' is not one of fitted, mean, projected, xavier"):
+        convert(_dense("llama"), stem_layers=[1], init="best")
+
+
+def test_report_and_saved_checkpoint(tmp_path):
+    dense = _dense("qwen3")
+    stem, report = convert(
+        dense,
+        tmp_path,
+        stem_layers="1/2",
+        init="fitted",
+        calibration=_texts(4, 120, seed=2),
+        heldout=_texts(2, 120, seed=3),
+        chunk_len=60,
+    )
+    saved = json.loads((tmp_path / "conversion_report.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    for key in (
+        "source",
+        "source_architecture",
+        "stem_layers",
+        "init",
+        "calibration_tokens",
+        "distinct_tokens",
+        "vocab_coverage",
+        "heldout_tokens",
+        "heldout_perplexity_dense",
+        "heldout_perplexity_stem",
+        "perplexity_ratio",
+        "wall_time_s",
+        "total_params",
+        "active_params_per_token",
+    ):
+        assert key in saved, key
+    assert saved["source_architecture"] == "Qwen3ForCausalLM" and saved["stem_layers"] == [1, 3]
+    assert 0 < saved["vocab_coverage"] <= 1 and saved["heldout_perplexity_stem"] > 1
+    reloaded = StemForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.qk_norm and reloaded.model.stem_tables["1"].weight.dtype == torch.bfloat16
+    probe = torch.tensor([[1, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(probe).logits, stem(probe).logits)
