@@ -33,10 +33,19 @@ def test_calibrated_inits_beat_projected_and_xavier(smollm2, texts):
     dense, tokenizer = smollm2
     perplexity = {}
     for init in ("fitted", "mean", "projected", "xavier"):
-        _, report = convert(dense, stem_layers=[2, 9], init=init, calibration=texts["calibration"],
-                            calibration_tokens=6000, heldout=texts["heldout"], heldout_tokens=2000, tokenizer=tokenizer)
+        _, report = convert(
+            dense,
+            stem_layers=[2, 9],
+            init=init,
+            calibration=texts["calibration"],
+            calibration_tokens=6000,
+            heldout=texts["heldout"],
+            heldout_tokens=2000,
+            tokenizer=tokenizer,
+        )
         perplexity[init] = report["heldout_perplexity_stem"]
-        print(init, perplexity[init], report["heldout_perplexity_dense"])
         dense_perplexity = report["heldout_perplexity_dense"]
-    assert max(perplexity["fitted"], perplexity["mean"]) < min(perplexity["projected"], perplexity["xavier"]), perplexity
+    assert max(perplexity["fitted"], perplexity["mean"]) < min(perplexity["projected"], perplexity["xavier"]), (
+        perplexity
+    )
     assert perplexity["fitted"] < 3 * dense_perplexity, (perplexity, dense_perplexity)
