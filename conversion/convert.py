@@ -19,8 +19,8 @@ ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
 
 
 def chunk_texts(texts, tokenizer, bos_token_id: int | None, chunk_len: int, max_tokens: int | None) -> list:
-    """1-D token id chunks of at most `chunk_len`, each starting with BOS when there is one. `texts` holds strings
-    (tokenized with `tokenizer`) or token id sequences."""
+    """1-D token id chunks of at most `chunk_len`, each starting with BOS when there is one, `max_tokens` in all.
+    `texts` holds strings (tokenized with `tokenizer`) or token id sequences."""
     chunks, total = [], 0
     body = chunk_len - (bos_token_id is not None)
     for text in texts:
@@ -31,6 +31,8 @@ def chunk_texts(texts, tokenizer, bos_token_id: int | None, chunk_len: int, max_
                 continue
             if bos_token_id is not None:
                 piece = [bos_token_id, *piece]
+            if max_tokens is not None:
+                piece = piece[: max_tokens - total]
             chunks.append(torch.tensor(piece))
             total += len(piece)
             if max_tokens is not None and total >= max_tokens:

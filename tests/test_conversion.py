@@ -179,3 +179,64 @@ def test_report_and_saved_checkpoint(tmp_path):
     probe = torch.tensor([[1, 7, 8, 9]])
     with torch.no_grad():
         assert torch.allclose(reloaded(probe).logits, stem(probe).logits)
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(SHAPE["vocab_size"] - 4)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_path, capsys):
+    from stem_hf.cli import main
+
+    _dense("llama").save_pretrained(tmp_path / "src")
+    _word_tokenizer().save_pretrained(tmp_path / "src")
+
+    def words(seed: int) -> str:
+        ids = torch.randint(0, 60, (400,), generator=torch.Generator().manual_seed(seed))
+        return " ".join(f"w{i}" for i in ids.tolist())
+
+    (tmp_path / "calib.txt").write_text(words(1))
+    (tmp_path / "held.txt").write_text(words(2))
+    main(
+        [
+            "convert",
+            str(tmp_path / "src"),
+            str(tmp_path / "out"),
+            "--stem-layers",
+            "1,3",
+            "--init",
+            "mean",
+            "--calibration",
+            str(tmp_path / "calib.txt"),
+            "--heldout",
+            str(tmp_path / "held.txt"),
+            "--calibration-tokens",
+            "300",
+            "--table-dtype",
+            "float32",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["stem_layers"] == [1, 3] and report["init"] == "mean"
+    assert report["calibration_tokens"] == 300 and report["heldout_tokens"] == 401  # capped; BOS + 400 words
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert json.loads((tmp_path / "out" / "conversion_report.json").read_text())["init"] == "mean"
+    reloaded = StemForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.model.stem_tables["3"].weight.dtype == torch.float32
+
+
+def test_cli_refuses_an_unsupported_source(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from stem_hf.cli import main
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="cannot convert GPT2LMHeadModel"):
+        main(["convert", str(tmp_path / "gpt2"), str(tmp_path / "out"), "--calibration", "--heldout"])
+    assert not (tmp_path / "out").exists()
