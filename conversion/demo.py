@@ -42,9 +42,11 @@ def run_demo(out: str = "runs/demo", source: str | None = None, calibration_toke
         heldout_tokens=10_000,
         tokenizer=tokenizer,
     )
-    report["source"] = source
-    with open(os.path.join(checkpoint, "conversion_report.json"), "w") as f:
+    report["source"] = source  # the model was passed loaded: name the file it came from
+    path = os.path.join(checkpoint, "conversion_report.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=2)
+    os.replace(path + ".tmp", path)
 
     start = time.perf_counter()
     stem = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
