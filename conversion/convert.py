@@ -24,6 +24,8 @@ def chunk_texts(texts, tokenizer, bos_token_id: int | None, chunk_len: int, max_
     chunks, total = [], 0
     body = chunk_len - (bos_token_id is not None)
     for text in texts:
+        if isinstance(text, str) and tokenizer is None:
+            raise ValueError("text given as strings but the source has no tokenizer: pass `tokenizer=` or token ids")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) else list(text)
         for start in range(0, len(ids), body):
             piece = ids[start : start + body]
@@ -74,6 +76,8 @@ def init_tables(dense, stem, init: str, chunks: list[torch.Tensor], shrink: floa
         if not chunks:
             raise ValueError(f"init {init!r} needs calibration text (--calibration)")
         ids = torch.cat([c[1:] for c in chunks])
+        if len(ids) == 0:
+            raise ValueError(f"init {init!r}: the calibration text holds no token past position 0 of its chunks")
         seen = torch.unique(ids)
         slots = torch.full((vocab,), -1, dtype=torch.long)
         slots[seen] = torch.arange(len(seen))
@@ -145,6 +149,8 @@ def convert(
         "stem_layers": config.stem_layers,
         "init": init,
         "table_dtype": table_dtype,
+        # Every chunk, calibration and held-out, starts with BOS (the converted model's exact position-0 row needs it).
+        "bos_prepended": bos is not None,
         **calibration_info,
         "heldout_tokens": sum(len(c) for c in heldout_chunks),
         "heldout_perplexity_dense": perplexity(dense, heldout_chunks) if heldout_chunks else None,

@@ -42,10 +42,12 @@ def stem_config_from_dense(
         supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
         architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
         raise ValueError(f"cannot convert {architecture}: supported source architectures are {supported}")
-    if getattr(config, "sliding_window", None) is not None and config.sliding_window < config.max_position_embeddings:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # Qwen2/3: the per-layer types say which layers slide
+        if any(kind != "full_attention" for kind in layer_types):
+            raise _refuse(config, "sliding-window attention in some layers")
+    elif getattr(config, "sliding_window", None) is not None and config.sliding_window < config.max_position_embeddings:
         raise _refuse(config, f"sliding-window attention (window {config.sliding_window})")
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-        raise _refuse(config, "per-layer attention types other than full attention")
     rope = dict(config.rope_parameters)
     if rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS):
         raise _refuse(config, f"rope type {rope['rope_type']!r}")

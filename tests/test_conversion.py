@@ -240,3 +240,22 @@ def test_cli_refuses_an_unsupported_source(tmp_path):
     with pytest.raises(ValueError, match="cannot convert GPT2LMHeadModel"):
         main(["convert", str(tmp_path / "gpt2"), str(tmp_path / "out"), "--calibration", "--heldout"])
     assert not (tmp_path / "out").exists()
+
+
+def test_qwen2_sliding_window_on_no_layer_is_accepted():
+    config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=28)
+    assert stem_config_from_dense(config, "1/2").stem_layers == [1, 3]
+
+
+def test_a_source_without_bos_converts_with_finite_tables():
+    dense = Qwen2ForCausalLM(Qwen2Config(**{**SHAPE, "bos_token_id": None})).eval()
+    stem, report = convert(dense, stem_layers=[1, 2], init="fitted", calibration=_texts(3, 100, seed=4), chunk_len=40)
+    assert report["bos_prepended"] is False and report["distinct_tokens"] > 0
+    assert all(torch.isfinite(t.weight).all() for t in stem.model.stem_tables.values())
+
+
+def test_text_without_a_tokenizer_or_tokens_is_a_clear_error():
+    with pytest.raises(ValueError, match="strings but the source has no tokenizer"):
+        convert(_dense("llama"), stem_layers=[1], init="mean", calibration=["some text"])
+    with pytest.raises(ValueError, match="holds no token past position 0"):
+        convert(_dense("llama"), stem_layers=[1], init="mean", calibration=_texts(2, 50, 5), calibration_tokens=1)
