@@ -21,6 +21,7 @@ class LayerStats:
     first_w: torch.Tensor | None  # [intermediate]
     first_wu: torch.Tensor | None  # [intermediate]
     first_count: int = 0
+    mean_w: torch.Tensor | None = None  # [intermediate] mean SiLU(gate)^2 per occurrence, filled by init_tables
 
 
 class _Stop(Exception):

@@ -23,6 +23,8 @@ def chunk_texts(texts, tokenizer, bos_token_id: int | None, chunk_len: int, max_
     `texts` holds strings (tokenized with `tokenizer`) or token id sequences."""
     chunks, total = [], 0
     body = chunk_len - (bos_token_id is not None)
+    if body < 2:
+        raise ValueError(f"chunk_len: {chunk_len} leaves no room for two tokens after BOS")
     for text in texts:
         if isinstance(text, str) and tokenizer is None:
             raise ValueError("text given as strings but the source has no tokenizer: pass `tokenizer=` or token ids")

@@ -58,7 +58,9 @@ def calibrated_rows(
     else:
         prior = _up(mlp, prior_x)
         # The pseudo-count is in occurrences: `shrink` times the mean weight one occurrence carries, per channel.
-        mean_w = stats.sum_w.sum(0) / stats.count.sum().clamp(min=1)
+        if stats.mean_w is None:  # once per layer, not per block of rows
+            stats.mean_w = stats.sum_w.sum(0) / stats.count.sum().clamp(min=1)
+        mean_w = stats.mean_w
         sum_w = torch.zeros_like(prior)
         sum_wu = torch.zeros_like(prior)
         sum_w[seen] = stats.sum_w[slot[seen]]
