@@ -10,6 +10,14 @@ from transformers.modeling_rope_utils import RopeParameters
 
 STEM_RATIOS = ("1/3", "1/2", "full")
 TABLE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_table_dtype(name: str) -> str:
+    if name not in TABLE_DTYPES:
+        raise ValueError(f"table_dtype: {name!r} is not one of {', '.join(TABLE_DTYPES)}")
+    return name
+
+
 _ALLOWED_STEM_LAYERS = (
     'a list of distinct layer indices, a comma-separated string of them ("1,4,7"), '
     '"" or "none" for no STEM layer, or a ratio: "full" (every layer but 0) or "1/N" for an integer N >= 2 '
@@ -126,10 +134,9 @@ class StemConfig(PreTrainedConfig):
             )
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
-        if self.table_dtype not in TABLE_DTYPES:
-            raise ValueError(f"table_dtype: {self.table_dtype!r} is not one of {', '.join(TABLE_DTYPES)}")
+        check_table_dtype(self.table_dtype)
         self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)
         super().__post_init__(**kwargs)
 
 
-__all__ = ["StemConfig", "resolve_stem_layers", "STEM_RATIOS", "TABLE_DTYPES"]
+__all__ = ["StemConfig", "check_table_dtype", "resolve_stem_layers", "STEM_RATIOS", "TABLE_DTYPES"]

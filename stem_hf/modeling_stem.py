@@ -30,7 +30,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_stem import TABLE_DTYPES, StemConfig, resolve_stem_layers
+from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
 from .storage_stem import (
     TABLE_KEY,
     advise_random_access,
@@ -519,8 +519,7 @@ class StemPreTrainedModel(PreTrainedModel):
     def set_table_dtype(self, dtype: torch.dtype | str) -> None:
         """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""
         name = str(dtype).removeprefix("torch.")
-        if name not in TABLE_DTYPES:
-            raise ValueError(f"table_dtype: {name!r} is not one of {', '.join(TABLE_DTYPES)}")
+        check_table_dtype(name)
         self.config.table_dtype = name
         for table in self.base_model.stem_tables.values():
             table.to(getattr(torch, name))
