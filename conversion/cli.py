@@ -28,6 +28,11 @@ def run_convert(args: argparse.Namespace) -> dict:
         heldout=heldout,
         heldout_tokens=args.heldout_tokens,
         table_dtype=args.table_dtype,
+        heal_tokens=args.heal_tokens,
+        train=args.heal_train,
+        anneal=args.heal_anneal,
+        table_lr=args.heal_table_lr,
+        lr=args.heal_lr,
     )
     print(json.dumps(report, indent=2))
     return report

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from stem_hf import StemForCausalLM
 
 from .calibrate import calibrate
+from .heal import check_heal_options, heal
 from .init_tables import calibrated_rows, projected_rows, ridge_map
 from .sources import load_source, stem_config_from_dense
 
@@ -121,15 +122,22 @@ def convert(
     tokenizer=None,
     chunk_len: int = 512,
     shrink: float = 4.0,
+    heal_tokens: int = 0,
+    **heal_options,
 ) -> tuple[StemForCausalLM, dict]:
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
 
     `calibration` and `heldout` hold texts (strings, tokenized with the source's tokenizer) or token id sequences; keep
-    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. Saves to `out` (with the
-    tokenizer, generation config and `conversion_report.json`) when given, and returns `(model, report)`.
+    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. With `heal_tokens`, the
+    initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
+    to `conversion.heal.heal`). Saves to `out` (with the tokenizer, generation config and `conversion_report.json`)
+    when given, and returns `(model, report)`.
     """
     if init not in INITS:
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
+    check_heal_options(heal_tokens, **heal_options)
+    if heal_tokens and not calibration:
+        raise ValueError("heal_tokens: healing distils on calibration text, and none was given (--calibration)")
     start = time.perf_counter()
     if isinstance(source, (str, os.PathLike)):
         dense, loaded_tokenizer = load_source(os.fspath(source))
@@ -145,6 +153,7 @@ def convert(
     calib_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, calibration_tokens)
     heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
     calibration_info = init_tables(dense, stem, init, calib_chunks, shrink)
+    heldout_ppl = (lambda model: perplexity(model, heldout_chunks)) if heldout_chunks else (lambda model: None)
     report = {
         "source": source_name,
         "source_architecture": type(dense).__name__,
@@ -155,14 +164,25 @@ def convert(
         "bos_prepended": bos is not None,
         **calibration_info,
         "heldout_tokens": sum(len(c) for c in heldout_chunks),
-        "heldout_perplexity_dense": perplexity(dense, heldout_chunks) if heldout_chunks else None,
-        "heldout_perplexity_stem": perplexity(stem, heldout_chunks) if heldout_chunks else None,
-        "total_params": stem.num_parameters(),
-        "active_params_per_token": stem.num_active_parameters(),
-        "table_params": stem.num_table_parameters(),
+        "heldout_perplexity_dense": heldout_ppl(dense),
+        "heldout_perplexity_stem": heldout_ppl(stem),
+        "heal_tokens": 0,
     }
+    if heal_tokens:
+        heal_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, heal_tokens)
+        report["heldout_perplexity_stem_before_healing"] = report["heldout_perplexity_stem"]
+        report.update(heal(dense, stem, heal_chunks, heal_tokens, **heal_options))
+        report["heldout_perplexity_stem"] = heldout_ppl(stem)
+    report.update(
+        total_params=stem.num_parameters(),
+        active_params_per_token=stem.num_active_parameters(),
+        table_params=stem.num_table_parameters(),
+    )
     if report["heldout_perplexity_dense"]:
-        report["perplexity_ratio"] = report["heldout_perplexity_stem"] / report["heldout_perplexity_dense"]
+        dense_ppl = report["heldout_perplexity_dense"]
+        report["perplexity_ratio"] = report["heldout_perplexity_stem"] / dense_ppl
+        if heal_tokens:
+            report["perplexity_ratio_before_healing"] = report["heldout_perplexity_stem_before_healing"] / dense_ppl
     report["wall_time_s"] = time.perf_counter() - start
     if out is not None:
         stem.save_pretrained(out)

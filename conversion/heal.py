@@ -1,0 +1,217 @@
+"""Healing: distils the dense model into the converted one (KL divergence between next-token distributions) on
+calibration text.
+
+Progressive conversion: during healing each STEM layer computes `W_d(SiLU(W_g x) * (a W_up x + (1 - a) U[t]))`, the
+dense up-projection borrowed from the source. `a` starts at 1 (the model is then exactly the dense one) and is annealed
+linearly to 0 over the first `anneal` share of the steps, so the model never falls off a cliff; the rest of the budget
+trains the pure STEM model. The blend is removed at the end: the result has no `W_up`.
+
+Memory: only the rows of tokens that occur in the healing text ever get a gradient, so those rows train as one compact
+fp32 copy per table (`[distinct tokens, d_ff]`, with AdamW state for those rows alone) and are written back into the
+tables at the end. Dense AdamW over full fp32 tables would cost ~1.2 GB per SmolLM2 layer.
+"""
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+TRAINABLE = ("tables", "ffn", "all")
+
+
+class StemBlendMLP(nn.Module):
+    """A STEM layer's FFN during healing: `down(SiLU(gate(x)) * (a * up(x) + (1 - a) * rows))`. Shares `gate_proj` and
+    `down_proj` with the STEM layer it stands in for, so that training them trains the STEM model."""
+
+    def __init__(self, mlp: nn.Module, up_proj: nn.Linear):
+        super().__init__()
+        self.gate_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.down_proj, mlp.act_fn
+        self.up_proj = up_proj
+        self.blend = 1.0
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        up = rows.to(device=x.device, dtype=x.dtype)
+        if self.blend > 0:
+            up = self.blend * self.up_proj(x) + (1.0 - self.blend) * up
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * up)
+
+
+class StemCompactTable(nn.Module):
+    """Stands in for a table during healing: the rows of `tokens` as one trainable fp32 `weight`
+    (`[len(tokens), d_ff]`, on `device`), every other row read from the frozen table. So the model stays valid for any
+    input (held-out text can be evaluated mid-healing) while optimizer state exists for the trained rows only."""
+
+    def __init__(self, table: nn.Embedding, tokens: torch.Tensor, device: torch.device):
+        super().__init__()
+        self.frozen = (table,)  # a tuple: not a submodule, so its parameter stays out of this module's
+        self.weight = nn.Parameter(table.weight[tokens].to(device, torch.float32))
+        self.slots = torch.full((table.num_embeddings,), -1, dtype=torch.long, device=device)
+        self.slots[tokens.to(device)] = torch.arange(len(tokens), device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.frozen[0]
+        slot = self.slots[ids]
+        rest = table(ids.to(table.weight.device)).to(ids.device, self.weight.dtype)
+        return torch.where((slot >= 0).unsqueeze(-1), self.weight[slot.clamp(min=0)], rest)
+
+
+class blended:
+    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up-projections, and the rows of `tokens`
+    in `stem`'s tables train as compact fp32 copies (`StemCompactTable`). On exit the trained rows are written back into
+    the tables and the STEM layers are restored, also after an error."""
+
+    def __init__(self, dense: nn.Module, stem: nn.Module, tokens: torch.Tensor):
+        self.dense, self.stem, self.tokens = dense, stem, tokens
+
+    def __enter__(self) -> "blended":
+        layers, tables = self.stem.model.layers, self.stem.model.stem_tables
+        device = self.stem.get_input_embeddings().weight.device
+        self.saved, self.mlps, self.compact = {}, [], nn.ModuleList()
+        for key, table in list(tables.items()):
+            layer = int(key)
+            self.saved[key] = (table, layers[layer].mlp)
+            blend = StemBlendMLP(layers[layer].mlp, self.dense.model.layers[layer].mlp.up_proj)
+            compact = StemCompactTable(table, self.tokens, device)
+            layers[layer].mlp, tables[key] = blend, compact
+            self.mlps.append(blend)
+            self.compact.append(compact)
+        return self
+
+    def set_blend(self, a: float) -> None:
+        for mlp in self.mlps:
+            mlp.blend = a
+
+    def __exit__(self, *exc) -> None:
+        layers, tables = self.stem.model.layers, self.stem.model.stem_tables
+        with torch.no_grad():
+            for key, (table, mlp) in self.saved.items():
+                table.weight[self.tokens.to(table.weight.device)] = tables[key].weight.to(table.weight)
+                layers[int(key)].mlp, tables[key] = mlp, table
+
+
+def _trainable(stem: nn.Module, train: str) -> list[nn.Parameter]:
+    """The STEM model's parameters that `train` names (tables aside: they train as compact copies)."""
+    if train == "tables":
+        return []
+    if train == "ffn":
+        layers = stem.model.layers
+        return [p for i in stem.config.stem_layers for p in (*layers[i].mlp.gate_proj.parameters(),
+                                                              *layers[i].mlp.down_proj.parameters())]
+    tables = {id(p) for p in stem.model.stem_tables.parameters()}
+    return [p for p in stem.parameters() if id(p) not in tables]
+
+
+def check_heal_options(tokens: int, train: str = "ffn", anneal: float = 0.25, **_) -> None:
+    """Raises on options `heal` would refuse, so that a conversion fails before its calibration, not after."""
+    if tokens < 0:
+        raise ValueError(f"heal tokens: {tokens} is negative")
+    if train not in TRAINABLE:
+        raise ValueError(f"heal train: {train!r} is not one of {', '.join(TRAINABLE)}")
+    if not 0.0 <= anneal <= 1.0:
+        raise ValueError(f"heal anneal: {anneal} is not a share of the healing steps in [0, 1]")
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) on the next-token distributions."""
+    student = F.log_softmax(student_logits.float().flatten(0, -2), dim=-1)
+    teacher = F.log_softmax(teacher_logits.float().flatten(0, -2), dim=-1)
+    return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+
+
+def heal(
+    dense: nn.Module,
+    stem: nn.Module,
+    chunks: list[torch.Tensor],
+    tokens: int,
+    anneal: float = 0.25,
+    train: str = "ffn",
+    table_lr: float = 3e-3,
+    lr: float = 3e-5,
+    warmup: float = 0.05,
+    log_every: int = 10,
+    callback: Callable[[int, float, float], None] | None = None,
+) -> dict:
+    """Trains `stem` (in place) to match `dense` on `chunks` (1-D token id tensors, cycled) for `tokens` tokens, one
+    chunk per step. `train`: "tables" (tables only), "ffn" (tables plus the STEM layers' gate and down projections) or
+    "all" (every weight). Learning rates warm up over `warmup` of the steps, then decay on a cosine to 10%.
+    `callback(tokens_seen, a, kl)` is called every `log_every` steps with the blend `a` and the recent mean KL; the model
+    is valid for any input then (at `a == 0` it is the STEM model being healed). Returns facts for the report."""
+    check_heal_options(tokens, train, anneal)
+    chunks = [c for c in chunks if len(c) >= 2]
+    if not chunks:
+        raise ValueError("healing needs calibration text: no chunk holds two tokens")
+    steps, total = [], 0  # the chunks of each step, cycling through the text, `tokens` in all
+    while total < tokens:
+        chunk = chunks[len(steps) % len(chunks)][: tokens - total]
+        if len(chunk) < 2:
+            break
+        steps.append(chunk)
+        total += len(chunk)
+    start = time.perf_counter()
+    was_training = stem.training
+    flags = {p: p.requires_grad for p in (*dense.parameters(), *stem.parameters())}
+    dense.eval().requires_grad_(False)
+    stem.requires_grad_(False)
+    params = _trainable(stem, train)
+    for p in params:
+        p.requires_grad_(True)
+    seen = torch.unique(torch.cat(steps))
+    device = stem.get_input_embeddings().weight.device
+    losses, seen_tokens = [], 0
+    try:
+        with blended(dense, stem, seen) as blend:
+            groups = [{"params": list(blend.compact.parameters()), "lr": table_lr}]
+            if params:
+                groups.append({"params": params, "lr": lr})
+            optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+            n, n_warm = len(steps), max(1, int(warmup * len(steps)))
+
+            def schedule(step: int) -> float:
+                if step < n_warm:
+                    return (step + 1) / n_warm
+                return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - n_warm) / max(1, n - n_warm)))
+
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+            n_anneal = int(anneal * n)
+            stem.train()
+            bar = tqdm(steps, desc="healing", unit="step")
+            for step, ids in enumerate(bar):
+                a = max(0.0, 1.0 - (step + 1) / n_anneal) if n_anneal else 0.0
+                blend.set_blend(a)
+                ids = ids[None].to(device)
+                with torch.no_grad():
+                    teacher = dense(ids).logits
+                student = stem(ids).logits
+                loss = distillation_loss(student, teacher)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                seen_tokens += ids.shape[1]
+                if (step + 1) % log_every == 0 or step + 1 == n:
+                    kl = sum(losses[-log_every:]) / len(losses[-log_every:])
+                    bar.set_postfix(kl=f"{kl:.3f}", a=f"{a:.2f}")
+                    if callback is not None:
+                        callback(seen_tokens, a, kl)
+    finally:
+        stem.train(was_training)
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    return {
+        "heal_tokens": total,
+        "heal_steps": len(steps),
+        "heal_train": train,
+        "heal_anneal": anneal,
+        "heal_table_lr": table_lr,
+        "heal_lr": lr if params else None,
+        "heal_rows": len(seen),
+        "heal_kl_first": sum(losses[:log_every]) / len(losses[:log_every]),
+        "heal_kl_last": sum(losses[-log_every:]) / len(losses[-log_every:]),
+        "heal_wall_time_s": time.perf_counter() - start,
+    }

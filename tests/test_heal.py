@@ -1,0 +1,123 @@
+"""Healing: the annealed blend, distillation, the compact table rows, and healing inside `convert`."""
+
+import json
+
+import pytest
+import torch
+from test_conversion import _dense, _texts
+
+from conversion import convert
+from conversion.heal import StemBlendMLP, blended, distillation_loss, heal
+from stem_hf.modeling_stem import StemTableMLP
+
+
+def _opinionated(kind: str):
+    dense = _dense(kind)
+    with torch.no_grad():  # a random model at the default init predicts nearly uniformly: give it opinions
+        for name, param in dense.named_parameters():
+            if name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")):
+                param.normal_(0.0, 0.3)
+    return dense
+
+
+def _converted(layers=(1, 2), init="fitted"):
+    dense = _opinionated("llama")
+    stem, _ = convert(
+        dense, stem_layers=list(layers), init=init, calibration=_texts(6, 120, seed=1), chunk_len=60,
+        table_dtype="float32",
+    )
+    return dense, stem
+
+
+def _kl(dense, stem, chunks) -> float:
+    with torch.no_grad():
+        return sum(distillation_loss(stem(c[None]).logits, dense(c[None]).logits).item() for c in chunks) / len(chunks)
+
+
+def test_the_blend_at_one_is_the_dense_model_and_at_zero_the_stem_model():
+    dense, stem = _converted()
+    ids = torch.randint(0, 64, (2, 17))
+    with torch.no_grad():
+        stem_logits = stem(ids).logits
+        with blended(dense, stem, torch.tensor([1, 5, 9])) as blend:  # other rows: read from the tables
+            assert all(isinstance(stem.model.layers[i].mlp, StemBlendMLP) for i in (1, 2))
+            blend.set_blend(1.0)
+            assert (stem(ids).logits - dense(ids).logits).abs().max() < 1e-5
+            blend.set_blend(0.0)
+            assert torch.equal(stem(ids).logits, stem_logits)
+            blend.set_blend(0.5)
+            halfway = stem(ids).logits
+            assert not torch.allclose(halfway, stem_logits) and not torch.allclose(halfway, dense(ids).logits)
+    # Restored: STEM layers without W_up, the original table modules.
+    assert all(isinstance(stem.model.layers[i].mlp, StemTableMLP) for i in (1, 2))
+    assert not any("up_proj" in k for k in stem.state_dict() if k.startswith(("model.layers.1.", "model.layers.2.")))
+    with torch.no_grad():
+        assert torch.equal(stem(ids).logits, stem_logits)
+
+
+@pytest.mark.parametrize("train", ["tables", "ffn", "all"])
+def test_healing_brings_the_stem_model_closer_to_dense(train):
+    dense, stem = _converted(init="xavier")
+    text = _texts(8, 120, seed=7)
+    chunks = [torch.tensor([1, *t[:59]]) for t in text]
+    before = {n: p.detach().clone() for n, p in stem.named_parameters()}
+    kl_before = _kl(dense, stem, chunks)
+    info = heal(dense, stem, chunks, tokens=3000, train=train, anneal=0.25, table_lr=3e-2, lr=1e-3)
+    assert _kl(dense, stem, chunks) < 0.7 * kl_before
+    assert info["heal_tokens"] == 3000 and info["heal_train"] == train
+    changed = {n for n, p in stem.named_parameters() if not torch.equal(p, before[n])}
+    assert {"model.stem_tables.1.weight", "model.stem_tables.2.weight"} <= changed
+    ffn = {f"model.layers.{i}.mlp.{m}.weight" for i in (1, 2) for m in ("gate_proj", "down_proj")}
+    if train == "tables":
+        assert changed == {"model.stem_tables.1.weight", "model.stem_tables.2.weight"}
+    elif train == "ffn":
+        assert changed - {"model.stem_tables.1.weight", "model.stem_tables.2.weight"} == ffn
+    else:
+        assert "model.layers.0.self_attn.q_proj.weight" in changed and ffn <= changed
+    assert all(p.requires_grad for p in stem.parameters()) and all(p.requires_grad for p in dense.parameters())
+
+
+def test_only_rows_of_tokens_in_the_text_change():
+    dense, stem = _converted()
+    chunks = [torch.tensor([1, 5, 6, 7, 5, 8, 9] * 8)]
+    table = stem.model.stem_tables["1"].weight
+    before = table.detach().clone()
+    info = heal(dense, stem, chunks, tokens=400, train="tables", table_lr=1e-2)
+    assert info["heal_rows"] == 6
+    touched = (table != before).any(dim=1).nonzero().flatten().tolist()
+    assert touched == [1, 5, 6, 7, 8, 9]
+
+
+def test_bad_healing_options_are_clear_errors():
+    dense, stem = _converted()
+    chunks = [torch.tensor([1, 5, 6, 7])]
+    with pytest.raises(ValueError, match="heal train: 'everything' is not one of tables, ffn, all"):
+        heal(dense, stem, chunks, tokens=10, train="everything")
+    with pytest.raises(ValueError, match=r"heal anneal: 1.5 is not a share of the healing steps in \[0, 1\]"):
+        heal(dense, stem, chunks, tokens=10, anneal=1.5)
+    with pytest.raises(ValueError, match="healing needs calibration text"):
+        heal(dense, stem, [torch.tensor([1])], tokens=10)
+    with pytest.raises(ValueError, match="none was given"):
+        convert(dense, stem_layers=[1], init="xavier", heal_tokens=100)
+
+
+def test_convert_with_healing_reports_before_and_after(tmp_path):
+    dense = _opinionated("qwen2")
+    _, report = convert(
+        dense,
+        tmp_path,
+        stem_layers=[1, 3],
+        init="mean",
+        calibration=_texts(6, 120, seed=2),
+        heldout=_texts(2, 120, seed=3),
+        chunk_len=60,
+        heal_tokens=1200,
+        table_lr=1e-2,
+        lr=1e-3,
+    )
+    saved = json.loads((tmp_path / "conversion_report.json").read_text())
+    assert saved["heal_tokens"] == 1200 and saved["heal_train"] == "ffn"
+    assert saved["heldout_perplexity_stem"] < saved["heldout_perplexity_stem_before_healing"]
+    assert saved["perplexity_ratio"] < saved["perplexity_ratio_before_healing"]
+    assert not any("up_proj" in line for line in (tmp_path / "model.safetensors.index.json").read_text().splitlines()
+                   if "layers.1." in line or "layers.3." in line)
