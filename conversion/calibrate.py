@@ -28,6 +28,35 @@ class _Stop(Exception):
     pass
 
 
+def run_to_layers(model, chunks: list[torch.Tensor], layers: list[int], collect, desc: str) -> None:
+    """Runs `model` over each chunk and calls `collect(layer, mlp, ffn_input [seq, hidden], chunk)` at the FFN of each
+    of `layers`; the forward stops after the last of them (nothing after it is needed)."""
+    last = max(layers)
+
+    def hook(layer):
+        mlp = model.model.layers[layer].mlp
+
+        def pre_forward(module, args):
+            collect(layer, mlp, args[0][0].float(), current[0])
+            if layer == last:
+                raise _Stop
+
+        return mlp.register_forward_pre_hook(pre_forward)
+
+    current = [None]
+    handles = [hook(layer) for layer in layers]
+    try:
+        for chunk in tqdm(chunks, desc=desc, unit="chunk"):
+            current[0] = chunk
+            try:
+                model(chunk[None], use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.inference_mode()
 def calibrate(
     model, chunks: list[torch.Tensor], layers: list[int], slots: torch.Tensor, fitted: bool
@@ -51,40 +80,21 @@ def calibrate(
         )
         for layer in layers
     }
-    current = {}
 
-    def hook(layer):
-        mlp = model.model.layers[layer].mlp
+    def collect(layer, mlp, x, chunk):
+        s = stats[layer]
+        rest = slots[chunk][1:]
+        s.count.index_add_(0, rest, torch.ones(len(rest)))
+        s.sum_x.index_add_(0, rest, x[1:])
+        s.first_x += x[0]
+        s.first_count += 1
+        if fitted:
+            w = mlp.act_fn(mlp.gate_proj(x)).pow(2)
+            wu = w * mlp.up_proj(x)
+            s.sum_w.index_add_(0, rest, w[1:])
+            s.sum_wu.index_add_(0, rest, wu[1:])
+            s.first_w += w[0]
+            s.first_wu += wu[0]
 
-        def collect(module, args):
-            x = args[0][0].float()  # [seq, hidden]
-            s = stats[layer]
-            rest = current["slots"][1:]
-            s.count.index_add_(0, rest, torch.ones(len(rest)))
-            s.sum_x.index_add_(0, rest, x[1:])
-            s.first_x += x[0]
-            s.first_count += 1
-            if fitted:
-                w = mlp.act_fn(mlp.gate_proj(x)).pow(2)
-                wu = w * mlp.up_proj(x)
-                s.sum_w.index_add_(0, rest, w[1:])
-                s.sum_wu.index_add_(0, rest, wu[1:])
-                s.first_w += w[0]
-                s.first_wu += wu[0]
-            if layer == max(layers):
-                raise _Stop  # nothing after the last STEM layer is needed
-
-        return mlp.register_forward_pre_hook(collect)
-
-    handles = [hook(layer) for layer in layers]
-    try:
-        for chunk in tqdm(chunks, desc="calibrating", unit="chunk"):
-            current["slots"] = slots[chunk]
-            try:
-                model(chunk[None], use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_to_layers(model, chunks, layers, collect, "calibrating")
     return stats

@@ -13,6 +13,7 @@ from stem_hf import StemForCausalLM
 from .calibrate import calibrate
 from .heal import check_heal_options, heal
 from .init_tables import calibrated_rows, projected_rows, ridge_map
+from .refit_down import refit_down
 from .sources import load_source, stem_config_from_dense
 
 INITS = ("fitted", "mean", "projected", "xavier")
@@ -122,13 +123,15 @@ def convert(
     tokenizer=None,
     chunk_len: int = 512,
     shrink: float = 4.0,
+    refit: bool | None = None,
     heal_tokens: int = 0,
     **heal_options,
 ) -> tuple[StemForCausalLM, dict]:
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
 
     `calibration` and `heldout` hold texts (strings, tokenized with the source's tokenizer) or token id sequences; keep
-    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. With `heal_tokens`, the
+    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (default: on for
+    `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. With `heal_tokens`, the
     initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
     to `conversion.heal.heal`). Saves to `out` (with the tokenizer, generation config and `conversion_report.json`)
     when given, and returns `(model, report)`.
@@ -153,12 +156,18 @@ def convert(
     calib_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, calibration_tokens)
     heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
     calibration_info = init_tables(dense, stem, init, calib_chunks, shrink)
+    refit = init == "fitted" if refit is None else refit
+    if refit and config.stem_layers:
+        if not calib_chunks:
+            raise ValueError("refit: refitting W_down needs calibration text (--calibration)")
+        refit_down(dense, stem, calib_chunks)
     heldout_ppl = (lambda model: perplexity(model, heldout_chunks)) if heldout_chunks else (lambda model: None)
     report = {
         "source": source_name,
         "source_architecture": type(dense).__name__,
         "stem_layers": config.stem_layers,
         "init": init,
+        "refit_down": bool(refit and config.stem_layers),
         "table_dtype": table_dtype,
         # Every chunk, calibration and held-out, starts with BOS (the converted model's exact position-0 row needs it).
         "bos_prepended": bos is not None,

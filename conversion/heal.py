@@ -2,7 +2,8 @@
 calibration text.
 
 Progressive conversion: during healing each STEM layer computes `W_d(SiLU(W_g x) * (a W_up x + (1 - a) U[t]))`, the
-dense up-projection borrowed from the source. `a` starts at 1 (the model is then exactly the dense one) and is annealed
+dense up-projection borrowed from the source (and `W_d` blended likewise from the dense one to the refit one, see
+`StemBlendMLP`). `a` starts at 1 (the model is then exactly the dense one) and is annealed
 linearly to 0 over the first `anneal` share of the steps, so the model never falls off a cliff; the rest of the budget
 trains the pure STEM model. The blend is removed at the end: the result has no `W_up`.
 
@@ -24,20 +25,27 @@ TRAINABLE = ("tables", "ffn", "all")
 
 
 class StemBlendMLP(nn.Module):
-    """A STEM layer's FFN during healing: `down(SiLU(gate(x)) * (a * up(x) + (1 - a) * rows))`. Shares `gate_proj` and
-    `down_proj` with the STEM layer it stands in for, so that training them trains the STEM model."""
+    """A STEM layer's FFN during healing: `down_a(SiLU(gate(x)) * (a * up(x) + (1 - a) * rows))`, `up` and the dense
+    `down` borrowed from the source, `down_a = a * down + (1 - a) * down_proj` (conversion may have refit `down_proj`).
+    At `a = 1` it is the dense FFN exactly. Shares `gate_proj` and `down_proj` with the STEM layer it stands in for, so
+    that training them trains the STEM model."""
 
-    def __init__(self, mlp: nn.Module, up_proj: nn.Linear):
+    def __init__(self, mlp: nn.Module, dense_mlp: nn.Module):
         super().__init__()
         self.gate_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.down_proj, mlp.act_fn
-        self.up_proj = up_proj
+        self.dense = (dense_mlp,)  # a tuple: not a submodule, its weights are not this model's
         self.blend = 1.0
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         up = rows.to(device=x.device, dtype=x.dtype)
-        if self.blend > 0:
-            up = self.blend * self.up_proj(x) + (1.0 - self.blend) * up
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * up)
+        a = self.blend
+        if a == 0:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * up)
+        dense = self.dense[0]
+        up = a * dense.up_proj(x) + (1.0 - a) * up
+        weight = a * dense.down_proj.weight + (1.0 - a) * self.down_proj.weight
+        bias = None if self.down_proj.bias is None else a * dense.down_proj.bias + (1.0 - a) * self.down_proj.bias
+        return F.linear(self.act_fn(self.gate_proj(x)) * up, weight, bias)
 
 
 class StemCompactTable(nn.Module):
@@ -74,7 +82,7 @@ class blended:
         for key, table in list(tables.items()):
             layer = int(key)
             self.saved[key] = (table, layers[layer].mlp)
-            blend = StemBlendMLP(layers[layer].mlp, self.dense.model.layers[layer].mlp.up_proj)
+            blend = StemBlendMLP(layers[layer].mlp, self.dense.model.layers[layer].mlp)
             compact = StemCompactTable(table, self.tokens, device)
             layers[layer].mlp, tables[key] = blend, compact
             self.mlps.append(blend)
@@ -99,8 +107,11 @@ def _trainable(stem: nn.Module, train: str) -> list[nn.Parameter]:
         return []
     if train == "ffn":
         layers = stem.model.layers
-        return [p for i in stem.config.stem_layers for p in (*layers[i].mlp.gate_proj.parameters(),
-                                                              *layers[i].mlp.down_proj.parameters())]
+        return [
+            p
+            for i in stem.config.stem_layers
+            for p in (*layers[i].mlp.gate_proj.parameters(), *layers[i].mlp.down_proj.parameters())
+        ]
     tables = {id(p) for p in stem.model.stem_tables.parameters()}
     return [p for p in stem.parameters() if id(p) not in tables]
 
@@ -138,8 +149,8 @@ def heal(
     """Trains `stem` (in place) to match `dense` on `chunks` (1-D token id tensors, cycled) for `tokens` tokens, one
     chunk per step. `train`: "tables" (tables only), "ffn" (tables plus the STEM layers' gate and down projections) or
     "all" (every weight). Learning rates warm up over `warmup` of the steps, then decay on a cosine to 10%.
-    `callback(tokens_seen, a, kl)` is called every `log_every` steps with the blend `a` and the recent mean KL; the model
-    is valid for any input then (at `a == 0` it is the STEM model being healed). Returns facts for the report."""
+    `callback(tokens_seen, a, kl)` is called every `log_every` steps with the blend `a` and the recent mean KL; the
+    model is valid for any input then (at `a == 0` it is the STEM model being healed). Returns facts for the report."""
     check_heal_options(tokens, train, anneal)
     chunks = [c for c in chunks if len(c) >= 2]
     if not chunks:

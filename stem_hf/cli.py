@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("--calibration-tokens", type=int, default=150_000)
     convert.add_argument("--heldout-tokens", type=int, default=20_000)
     convert.add_argument("--table-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    convert.add_argument("--heal-tokens", type=int, default=0, help="distil from the dense model on N calibration tokens")
+    convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
     convert.add_argument("--heal-train", default="ffn", choices=["tables", "ffn", "all"], help="what healing trains")
     convert.add_argument("--heal-anneal", type=float, default=0.25, help="share of healing spent blending W_up out")
     convert.add_argument("--heal-table-lr", type=float, default=3e-3)

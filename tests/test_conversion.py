@@ -259,3 +259,49 @@ def test_text_without_a_tokenizer_or_tokens_is_a_clear_error():
         convert(_dense("llama"), stem_layers=[1], init="mean", calibration=["some text"])
     with pytest.raises(ValueError, match="holds no token past position 0"):
         convert(_dense("llama"), stem_layers=[1], init="mean", calibration=_texts(2, 50, 5), calibration_tokens=1)
+
+
+def _ffn_inputs(dense, layer: int, chunks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FFN inputs of `layer` at every position of `chunks`, and the input token at each."""
+    inputs = []
+    handle = dense.model.layers[layer].mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0][0]))
+    with torch.no_grad():
+        for chunk in chunks:
+            dense(chunk[None])
+    handle.remove()
+    return torch.cat(inputs), torch.cat(chunks)
+
+
+def test_refit_down_is_the_least_squares_down_projection():
+    from conversion.refit_down import refit_down
+
+    dense = _dense("llama")
+    chunks = [torch.tensor([1, *t]) for t in _texts(8, 40, seed=6)]
+    stem, report = convert(dense, stem_layers=[2], init="mean", calibration=chunks, table_dtype="float32")
+    assert report["refit_down"] is False
+    before = stem.model.layers[2].mlp.down_proj.weight.detach().clone()
+    refit_down(dense, stem, chunks, ridge=0.0)
+    x, ids = _ffn_inputs(dense, 2, chunks)
+    mlp, table = dense.model.layers[2].mlp, stem.model.stem_tables["2"].weight
+    with torch.no_grad():
+        h = F.silu(mlp.gate_proj(x)) * table[ids]
+        target = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        expected = torch.linalg.lstsq(h.double(), target.double()).solution.T.float()
+        refit = stem.model.layers[2].mlp.down_proj.weight
+        assert torch.allclose(refit, expected, atol=1e-3), (refit - expected).abs().max()
+        assert (h @ refit.T - target).pow(2).sum() < (h @ before.T - target).pow(2).sum()
+
+
+def test_fitted_refits_down_and_lowers_the_layer_error():
+    dense = _dense("llama")
+    chunks = [torch.tensor([1, *t]) for t in _texts(8, 60, seed=8)]
+    errors = {}
+    for refit in (False, True):
+        stem, report = convert(dense, stem_layers=[1], init="fitted", calibration=chunks, refit=refit)
+        assert report["refit_down"] is refit
+        x, ids = _ffn_inputs(dense, 1, chunks)
+        with torch.no_grad():
+            mlp = dense.model.layers[1].mlp
+            stem_out = stem.model.layers[1].mlp(x, stem.model.stem_tables["1"].weight[ids])
+            errors[refit] = (stem_out - mlp(x)).pow(2).sum().item()
+    assert errors[True] < errors[False], errors

@@ -23,7 +23,11 @@ def _opinionated(kind: str):
 def _converted(layers=(1, 2), init="fitted"):
     dense = _opinionated("llama")
     stem, _ = convert(
-        dense, stem_layers=list(layers), init=init, calibration=_texts(6, 120, seed=1), chunk_len=60,
+        dense,
+        stem_layers=list(layers),
+        init=init,
+        calibration=_texts(6, 120, seed=1),
+        chunk_len=60,
         table_dtype="float32",
     )
     return dense, stem
@@ -119,5 +123,8 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
     assert saved["heal_tokens"] == 1200 and saved["heal_train"] == "ffn"
     assert saved["heldout_perplexity_stem"] < saved["heldout_perplexity_stem_before_healing"]
     assert saved["perplexity_ratio"] < saved["perplexity_ratio_before_healing"]
-    assert not any("up_proj" in line for line in (tmp_path / "model.safetensors.index.json").read_text().splitlines()
-                   if "layers.1." in line or "layers.3." in line)
+    assert not any(
+        "up_proj" in line
+        for line in (tmp_path / "model.safetensors.index.json").read_text().splitlines()
+        if "layers.1." in line or "layers.3." in line
+    )

@@ -1,0 +1,38 @@
+"""Closed-form refit of each STEM layer's down-projection, once its table rows are set.
+
+A token-indexed row cannot follow the context the way `W_up x` does, so with the dense `W_down` the layer's output is
+off. With the rows fixed, the layer is linear in `W_down`: `y = W_down h`, `h = SiLU(W_gate x) * U[t]`. The refit is the
+ridge least-squares `W_down` that maps `h` to the dense FFN's output `W_down (SiLU(W_gate x) * W_up x)` over the
+calibration positions (position 0 included, so that the attention sink stays close to dense), shrunk toward the dense
+`W_down`. Memory: one `[d_ff, d_ff]` and one `[d_ff, hidden]` fp64 accumulator per STEM layer.
+"""
+
+import torch
+from tqdm import tqdm
+
+from .calibrate import run_to_layers
+
+
+@torch.inference_mode()
+def refit_down(dense, stem, chunks: list[torch.Tensor], ridge: float = 1e-2) -> None:
+    """Sets `stem`'s STEM layers' `down_proj.weight` from calibration `chunks` run through `dense`."""
+    layers = stem.config.stem_layers
+    inter, hidden = stem.config.intermediate_size, stem.config.hidden_size
+    gram = {layer: torch.zeros(inter, inter, dtype=torch.float64) for layer in layers}
+    cross = {layer: torch.zeros(inter, hidden, dtype=torch.float64) for layer in layers}
+    tables = stem.model.stem_tables
+
+    def collect(layer, mlp, x, chunk):
+        s = mlp.act_fn(mlp.gate_proj(x))
+        target = torch.nn.functional.linear(s * mlp.up_proj(x), mlp.down_proj.weight)  # the bias stays as it is
+        h = s * tables[str(layer)].weight[chunk].float()
+        gram[layer] += (h.T @ h).double()
+        cross[layer] += (h.T @ target).double()
+
+    run_to_layers(dense, chunks, layers, collect, "refitting W_down")
+    for layer in tqdm(layers, desc="solving W_down", unit="layer"):
+        weight = stem.model.layers[layer].mlp.down_proj.weight
+        lam = ridge * gram[layer].diagonal().mean()
+        system = gram[layer] + lam * torch.eye(inter, dtype=torch.float64)
+        solution = torch.linalg.solve(system, cross[layer] + lam * weight.T.double())
+        weight.copy_(solution.T.to(weight.dtype))
