@@ -1,11 +1,16 @@
-"""Held-out perplexity of SmolLM2-135M converted to STEM with each table initialization, before any healing, next to
-the dense model's. Prints JSON. Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--calibration-tokens N]
+"""SmolLM2-135M converted to STEM with each table initialization: held-out perplexity next to the dense model's, before
+healing, and along healing runs from the best init and from xavier. Prints JSON and saves a PNG of the healing curves.
 
-Calibration and held-out text are disjoint documents of the bundled corpus (conversion/assets.py).
+Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--heal-tokens N] [--heal-ratios 1/3] [--out DIR]
+
+Calibration (and healing) text and held-out text are disjoint documents of the bundled corpus (conversion/assets.py).
+A healing curve is one run of `--heal-tokens` tokens, evaluated on the held-out text at `--eval-every` tokens once the
+W_up blend is annealed out (before that the model still borrows the dense up-projection).
 """
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -13,29 +18,104 @@ import torch
 from conversion import convert, load_source
 from conversion.assets import corpora, smollm2_gguf
 from conversion.convert import chunk_texts, perplexity
+from conversion.heal import heal
+
+# "fitted-rows" is `fitted` without its W_down refit: the ablation of that step.
+VARIANTS = {
+    "fitted": ("fitted", True),
+    "fitted-rows": ("fitted", False),
+    "mean": ("mean", False),
+    "projected": ("projected", False),
+    "xavier": ("xavier", False),
+}
+
+
+def tokens_to_reach(curve: list[dict], ratio: float) -> int | None:
+    return next((point["tokens"] for point in curve if point["over_dense"] <= ratio), None)
+
+
+def plot(healing: list[dict], dense_ppl: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in healing:
+        points = [(0, run["before"])] + [(p["tokens"], p["over_dense"]) for p in run["curve"]]
+        ax.plot(*zip(*points, strict=True), marker="o", label=f"STEM-{run['ratio']} from {run['init']}")
+    for level, style in ((1.15, ":"), (1.5, "--")):
+        ax.axhline(level, color="grey", linestyle=style, linewidth=1)
+        ax.text(0, level, f" {level}x dense", va="bottom", color="grey", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("healing tokens (KL distillation from the dense model)")
+    ax.set_ylabel("held-out perplexity / dense")
+    ax.set_title(f"SmolLM2-135M -> STEM: healing (dense perplexity {dense_ppl:.1f})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def healing_run(dense, stem, chunks, heldout, dense_ppl: float, args) -> dict:
+    """One healing run of `args.heal_tokens` tokens, evaluated on `heldout` every `args.eval_every` tokens."""
+    curve, eval_s = [], 0.0
+
+    def evaluate(tokens: int, a: float, kl: float) -> None:
+        nonlocal eval_s
+        if a == 0 and tokens >= (curve[-1]["tokens"] if curve else 0) + args.eval_every:
+            start = time.perf_counter()
+            ppl = perplexity(stem, heldout)
+            eval_s += time.perf_counter() - start
+            curve.append({"tokens": tokens, "kl": round(kl, 4), "over_dense": round(ppl / dense_ppl, 3)})
+            print(json.dumps(curve[-1]), flush=True)
+
+    info = heal(dense, stem, chunks, args.heal_tokens, train=args.heal_train, log_every=5, callback=evaluate)
+    final = round(perplexity(stem, heldout) / dense_ppl, 3)
+    if not curve or curve[-1]["tokens"] != info["heal_tokens"]:
+        curve.append({"tokens": info["heal_tokens"], "kl": round(info["heal_kl_last"], 4), "over_dense": final})
+    train_s = info["heal_wall_time_s"] - eval_s
+    return {
+        "curve": curve,
+        "final_over_dense": final,
+        "tokens_to_1.5x": tokens_to_reach(curve, 1.5),
+        "tokens_to_1.15x": tokens_to_reach(curve, 1.15),
+        **{k: info[k] for k in ("heal_train", "heal_anneal", "heal_table_lr", "heal_lr", "heal_rows")},
+        "train_time_s": round(train_s, 1),
+        "train_tokens_per_s": round(info["heal_tokens"] / train_s, 1),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", nargs="+", default=["1/3", "1/2"])
-    parser.add_argument("--inits", nargs="+", default=["fitted", "mean", "projected", "xavier"])
+    parser.add_argument("--inits", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--calibration-tokens", type=int, default=50_000)
     parser.add_argument("--heldout-tokens", type=int, default=10_000)
+    parser.add_argument("--heal-ratios", nargs="*", default=["1/3"])
+    parser.add_argument("--heal-inits", nargs="*", default=["fitted", "xavier"])
+    parser.add_argument("--heal-tokens", type=int, default=60_000)
+    parser.add_argument("--eval-every", type=int, default=12_000)
+    parser.add_argument("--heal-train", default="all", choices=["tables", "ffn", "all"])
+    parser.add_argument("--out", default="runs/bench_conversion", help="folder for the PNG")
     args = parser.parse_args()
 
     torch.set_flush_denormal(True)
     texts = corpora()
     dense, tokenizer = load_source(smollm2_gguf())
-    heldout = chunk_texts(texts["heldout"], tokenizer, dense.config.bos_token_id, 512, args.heldout_tokens)
+    bos = dense.config.bos_token_id
+    heldout = chunk_texts(texts["heldout"], tokenizer, bos, 512, args.heldout_tokens)
+    heal_chunks = chunk_texts(texts["calibration"], tokenizer, bos, 512, args.heal_tokens)
     dense_ppl = perplexity(dense, heldout)
-    results = []
+    results, healing, kept = [], [], {}
     for ratio in args.ratios:
-        for init in args.inits:
+        for variant in args.inits:
+            init, refit = VARIANTS[variant]
             start = time.perf_counter()
             stem, report = convert(
                 dense,
                 stem_layers=ratio,
                 init=init,
+                refit=refit,
                 calibration=texts["calibration"],
                 calibration_tokens=args.calibration_tokens,
                 tokenizer=tokenizer,
@@ -45,7 +125,7 @@ def main() -> None:
                 {
                     "ratio": ratio,
                     "stem_layers": report["stem_layers"],
-                    "init": init,
+                    "init": variant,
                     "perplexity": round(stem_ppl, 2),
                     "perplexity_over_dense": round(stem_ppl / dense_ppl, 3),
                     "calibration_tokens": report["calibration_tokens"],
@@ -54,18 +134,25 @@ def main() -> None:
                 }
             )
             print(json.dumps(results[-1]), flush=True)
-    print(
-        json.dumps(
-            {
-                "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
-                "heldout_tokens": sum(len(c) for c in heldout),
-                "dense_perplexity": round(dense_ppl, 2),
-                "healing": "none",
-                "results": results,
-            },
-            indent=2,
-        )
-    )
+            if ratio in args.heal_ratios and variant in args.heal_inits:
+                kept[ratio, variant] = stem, stem_ppl / dense_ppl
+            del stem
+
+    for (ratio, variant), (stem, before) in kept.items():
+        healing.append(healing_run(dense, stem, heal_chunks, heldout, dense_ppl, args))
+        healing[-1].update(ratio=ratio, init=variant, before=round(before, 3))
+    summary = {
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        "heldout_tokens": sum(len(c) for c in heldout),
+        "dense_perplexity": round(dense_ppl, 2),
+        "before_healing": results,
+        "healing": healing,
+    }
+    if healing:
+        os.makedirs(args.out, exist_ok=True)
+        summary["plot"] = os.path.join(args.out, "healing.png")
+        plot(healing, dense_ppl, summary["plot"])
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ def run_convert(args: argparse.Namespace) -> dict:
     bundled = corpora() if args.calibration is None or args.heldout is None else None
     calibration = _read(args.calibration) if args.calibration is not None else bundled["calibration"]
     heldout = _read(args.heldout) if args.heldout is not None else bundled["heldout"]
+    heal_options = {
+        "train": args.heal_train,
+        "anneal": args.heal_anneal,
+        "table_lr": args.heal_table_lr,
+        "lr": args.heal_lr,
+    }
     _, report = convert(
         args.source,
         args.out,
@@ -29,10 +35,7 @@ def run_convert(args: argparse.Namespace) -> dict:
         heldout_tokens=args.heldout_tokens,
         table_dtype=args.table_dtype,
         heal_tokens=args.heal_tokens,
-        train=args.heal_train,
-        anneal=args.heal_anneal,
-        table_lr=args.heal_table_lr,
-        lr=args.heal_lr,
+        **{k: v for k, v in heal_options.items() if v is not None},
     )
     print(json.dumps(report, indent=2))
     return report

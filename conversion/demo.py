@@ -25,7 +25,9 @@ def _continue(model, tokenizer, prompt: str, bos: int | None, new_tokens: int = 
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).replace("\n", " ")
 
 
-def run_demo(out: str = "runs/demo", source: str | None = None, calibration_tokens: int = 50_000) -> dict:
+def run_demo(
+    out: str = "runs/demo", source: str | None = None, calibration_tokens: int = 50_000, heal_tokens: int = 30_000
+) -> dict:
     torch.set_flush_denormal(True)  # dequantized GGUF weights hold denormals: 4-5x slower CPU matmuls without this
     source = source or smollm2_gguf()
     texts = corpora()
@@ -41,6 +43,7 @@ def run_demo(out: str = "runs/demo", source: str | None = None, calibration_toke
         heldout=texts["heldout"],
         heldout_tokens=10_000,
         tokenizer=tokenizer,
+        heal_tokens=heal_tokens,
     )
     report["source"] = source  # the model was passed loaded: name the file it came from
     path = os.path.join(checkpoint, "conversion_report.json")
@@ -69,9 +72,16 @@ def run_demo(out: str = "runs/demo", source: str | None = None, calibration_toke
         f"files; load with trust_remote_code: {load_s:.1f} s; copied code without stem_hf: max |diff| {remote_diff:.1e}"
     )
     print(f"  calibration: {report['calibration_tokens']} tokens, {report['vocab_coverage']:.1%} of the vocabulary")
+    dense_ppl = report["heldout_perplexity_dense"]
+    healed = (
+        f"STEM before healing {report['heldout_perplexity_stem_before_healing']:.1f} "
+        f"({report['perplexity_ratio_before_healing']:.2f}x), after {report['heal_tokens']} healing tokens "
+        if heal_tokens
+        else "STEM, no healing, "
+    )
     print(
-        f"  held-out perplexity ({report['heldout_tokens']} tokens): dense {report['heldout_perplexity_dense']:.1f}, "
-        f"STEM {report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x), no healing"
+        f"  held-out perplexity ({report['heldout_tokens']} tokens): dense {dense_ppl:.1f}, {healed}"
+        f"{report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x)"
     )
     bos = stem.config.bos_token_id
     for prompt in PROMPTS:

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--out", default="runs/demo", help="where to save the converted checkpoint")
     demo.add_argument("--source", default=None, help="a dense checkpoint (default: the embedded SmolLM2-135M GGUF)")
     demo.add_argument("--calibration-tokens", type=int, default=50_000)
+    demo.add_argument("--heal-tokens", type=int, default=30_000, help="healing budget (0: none)")
     demo.add_argument("--tiny", action="store_true", help="the one-second example on a random tiny model instead")
 
     convert = commands.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint to STEM")
@@ -29,10 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("--heldout-tokens", type=int, default=20_000)
     convert.add_argument("--table-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
-    convert.add_argument("--heal-train", default="ffn", choices=["tables", "ffn", "all"], help="what healing trains")
-    convert.add_argument("--heal-anneal", type=float, default=0.25, help="share of healing spent blending W_up out")
-    convert.add_argument("--heal-table-lr", type=float, default=3e-3)
-    convert.add_argument("--heal-lr", type=float, default=3e-5, help="learning rate of the non-table weights")
+    # Left unset, the healing options take `conversion.heal.heal`'s defaults.
+    convert.add_argument("--heal-train", choices=["tables", "ffn", "all"], help="what healing trains (default: all)")
+    convert.add_argument("--heal-anneal", type=float, help="share of the healing steps that blend W_up out")
+    convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
+    convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
 
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from conversion.demo import run_demo
 
-        run_demo(args.out, args.source, args.calibration_tokens)
+        run_demo(args.out, args.source, args.calibration_tokens, args.heal_tokens)
     elif args.command == "convert":
         from conversion.cli import run_convert
 
