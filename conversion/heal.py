@@ -116,7 +116,7 @@ def _trainable(stem: nn.Module, train: str) -> list[nn.Parameter]:
     return [p for p in stem.parameters() if id(p) not in tables]
 
 
-def check_heal_options(tokens: int, train: str = "ffn", anneal: float = 0.25, **_) -> None:
+def check_heal_options(tokens: int, train: str = "all", anneal: float = 0.25, **_) -> None:
     """Raises on options `heal` would refuse, so that a conversion fails before its calibration, not after."""
     if tokens < 0:
         raise ValueError(f"heal tokens: {tokens} is negative")
@@ -139,9 +139,9 @@ def heal(
     chunks: list[torch.Tensor],
     tokens: int,
     anneal: float = 0.25,
-    train: str = "ffn",
-    table_lr: float = 3e-3,
-    lr: float = 3e-5,
+    train: str = "all",
+    table_lr: float = 1e-2,
+    lr: float = 1e-4,
     warmup: float = 0.05,
     log_every: int = 10,
     callback: Callable[[int, float, float], None] | None = None,

@@ -49,3 +49,20 @@ def test_calibrated_inits_beat_projected_and_xavier(smollm2, texts):
         perplexity
     )
     assert perplexity["fitted"] < 3 * dense_perplexity, (perplexity, dense_perplexity)
+
+
+def test_healing_smollm2_lowers_held_out_perplexity(smollm2, texts):
+    dense, tokenizer = smollm2
+    _, report = convert(
+        dense,
+        stem_layers=[4, 16],
+        init="fitted",
+        calibration=texts["calibration"],
+        calibration_tokens=4000,
+        heldout=texts["heldout"],
+        heldout_tokens=2000,
+        tokenizer=tokenizer,
+        heal_tokens=1500,
+    )
+    assert report["refit_down"] and report["heal_tokens"] == 1500
+    assert report["perplexity_ratio"] < report["perplexity_ratio_before_healing"], report
