@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--heal-tokens", type=int, default=90_000)
     parser.add_argument("--eval-every", type=int, default=15_000)
     parser.add_argument("--heal-train", default="all", choices=["tables", "ffn", "all"])
-    parser.add_argument("--out", default="runs/bench_conversion", help="folder for the PNG")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the PNG")
     args = parser.parse_args()
 
     torch.set_flush_denormal(True)

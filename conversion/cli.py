@@ -9,6 +9,9 @@ from .assets import corpora
 from .convert import convert
 
 
+TABLE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 def _read(paths: list[str]) -> list[str]:
     return [open(path, encoding="utf-8", errors="replace").read() for path in paths]
 
@@ -33,7 +36,8 @@ def run_convert(args: argparse.Namespace) -> dict:
         calibration_tokens=args.calibration_tokens,
         heldout=heldout,
         heldout_tokens=args.heldout_tokens,
-        table_dtype=args.table_dtype,
+        table_dtype=TABLE_DTYPES.get(args.table_dtype, args.table_dtype),
+        device=args.device,
         heal_tokens=args.heal_tokens,
         **{k: v for k, v in heal_options.items() if v is not None},
     )

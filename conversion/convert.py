@@ -50,7 +50,9 @@ def chunk_texts(texts, tokenizer, bos_token_id: int | None, chunk_len: int, max_
 def perplexity(model, chunks: list[torch.Tensor]) -> float:
     """Token-level perplexity over `chunks` (each scored from its second token)."""
     nll, count = 0.0, 0
+    device = model.get_input_embeddings().weight.device
     for chunk in chunks:
+        chunk = chunk.to(device)
         logits = model(chunk[None]).logits[0, :-1].float()
         nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
         count += len(chunk) - 1
@@ -125,6 +127,7 @@ def convert(
     shrink: float = 4.0,
     refit: bool | None = None,
     heal_tokens: int = 0,
+    device: str | torch.device | None = None,
     **heal_options,
 ) -> tuple[StemForCausalLM, dict]:
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
@@ -133,7 +136,7 @@ def convert(
     them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (default: on for
     `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. With `heal_tokens`, the
     initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
-    to `conversion.heal.heal`). Saves to `out` (with the tokenizer, generation config and `conversion_report.json`)
+    to `conversion.heal.heal`) on `device` (default: where the model is; tables stay in host memory). Saves to `out` (with the tokenizer, generation config and `conversion_report.json`)
     when given, and returns `(model, report)`.
     """
     if init not in INITS:
@@ -180,6 +183,9 @@ def convert(
     if heal_tokens:
         heal_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, heal_tokens)
         report["heldout_perplexity_stem_before_healing"] = report["heldout_perplexity_stem"]
+        if device is not None:
+            dense.to(device)
+            stem.to(device)
         report.update(heal(dense, stem, heal_chunks, heal_tokens, **heal_options))
         report["heldout_perplexity_stem"] = heldout_ppl(stem)
     report.update(

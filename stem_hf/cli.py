@@ -28,13 +28,16 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("--heldout", nargs="*", default=None, help="text files (default: the bundled held-out set)")
     convert.add_argument("--calibration-tokens", type=int, default=150_000)
     convert.add_argument("--heldout-tokens", type=int, default=20_000)
-    convert.add_argument("--table-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    convert.add_argument(
+        "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
+    )
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
     # Left unset, the healing options take `conversion.heal.heal`'s defaults.
     convert.add_argument("--heal-train", choices=["tables", "ffn", "all"], help="what healing trains (default: all)")
     convert.add_argument("--heal-anneal", type=float, help="share of the healing steps that blend W_up out")
     convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
     convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
+    convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")
 
     args = parser.parse_args(argv)
     if args.command == "info":

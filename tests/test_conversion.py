@@ -219,11 +219,13 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
             "--calibration-tokens",
             "300",
             "--table-dtype",
-            "float32",
+            "fp32",
             "--heal-tokens",
             "200",
             "--heal-train",
             "tables",
+            "--device",
+            "cpu",
         ]
     )
     report = json.loads(capsys.readouterr().out)
