@@ -8,7 +8,6 @@ import torch
 from .assets import corpora
 from .convert import convert
 
-
 TABLE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 

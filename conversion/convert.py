@@ -136,8 +136,8 @@ def convert(
     them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (default: on for
     `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. With `heal_tokens`, the
     initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
-    to `conversion.heal.heal`) on `device` (default: where the model is; tables stay in host memory). Saves to `out` (with the tokenizer, generation config and `conversion_report.json`)
-    when given, and returns `(model, report)`.
+    to `conversion.heal.heal`) on `device` (default: where the model is; tables stay in host memory). Saves to `out`
+    (with the tokenizer, generation config and `conversion_report.json`) when given, and returns `(model, report)`.
     """
     if init not in INITS:
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
