@@ -8,7 +8,7 @@ import torch
 from .assets import corpora
 from .convert import convert
 
-TABLE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _read(paths: list[str]) -> list[str]:
@@ -35,10 +35,10 @@ def run_convert(args: argparse.Namespace) -> dict:
         calibration_tokens=args.calibration_tokens,
         heldout=heldout,
         heldout_tokens=args.heldout_tokens,
-        table_dtype=TABLE_DTYPES.get(args.table_dtype, args.table_dtype),
+        table_dtype=DTYPE_ALIASES.get(args.table_dtype, args.table_dtype),
         device=args.device,
         heal_tokens=args.heal_tokens,
-        **{k: v for k, v in heal_options.items() if v is not None},
+        heal_options={k: v for k, v in heal_options.items() if v is not None},
     )
     print(json.dumps(report, indent=2))
     return report

@@ -128,7 +128,7 @@ def convert(
     refit: bool | None = None,
     heal_tokens: int = 0,
     device: str | torch.device | None = None,
-    **heal_options,
+    heal_options: dict | None = None,
 ) -> tuple[StemForCausalLM, dict]:
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
 
@@ -141,7 +141,8 @@ def convert(
     """
     if init not in INITS:
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
-    check_heal_options(heal_tokens, **heal_options)
+    heal_options = heal_options or {}
+    check_heal_options(heal_tokens, **heal_options, device=device)
     if heal_tokens and not calibration:
         raise ValueError("heal_tokens: healing distils on calibration text, and none was given (--calibration)")
     start = time.perf_counter()

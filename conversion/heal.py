@@ -3,9 +3,10 @@ calibration text.
 
 Progressive conversion: during healing each STEM layer computes `W_d(SiLU(W_g x) * (a W_up x + (1 - a) U[t]))`, the
 dense up-projection borrowed from the source (and `W_d` blended likewise from the dense one to the refit one, see
-`StemBlendMLP`). `a` starts at 1 (the model is then exactly the dense one) and is annealed
-linearly to 0 over the first `anneal` share of the steps, so the model never falls off a cliff; the rest of the budget
-trains the pure STEM model. The blend is removed at the end: the result has no `W_up`.
+`StemBlendMLP`). At `a = 1` the model is exactly the dense one; `a` falls linearly from just below 1 (at `a = 1` the
+tables would get no gradient) to 0 over the first `anneal` share of the steps, so the model never falls off a cliff; the
+rest of the budget trains the pure STEM model. The blend is removed at the end: the result has no `W_up`. An
+interrupted healing keeps what it trained so far (rows, and weights trained while `a > 0`).
 
 Memory: only the rows of tokens that occur in the healing text ever get a gradient, so those rows train as one compact
 fp32 copy per table (`[distinct tokens, d_ff]`, with AdamW state for those rows alone) and are written back into the
@@ -56,37 +57,47 @@ class StemCompactTable(nn.Module):
     def __init__(self, table: nn.Embedding, tokens: torch.Tensor, device: torch.device):
         super().__init__()
         self.frozen = (table,)  # a tuple: not a submodule, so its parameter stays out of this module's
-        self.weight = nn.Parameter(table.weight[tokens].to(device, torch.float32))
-        self.slots = torch.full((table.num_embeddings,), -1, dtype=torch.long, device=device)
-        self.slots[tokens.to(device)] = torch.arange(len(tokens), device=device)
+        self.weight = nn.Parameter(table.weight[tokens.to(table.weight.device)].to(device, torch.float32))
+        slots = torch.full((table.num_embeddings,), -1, dtype=torch.long, device=device)
+        slots[tokens.to(device)] = torch.arange(len(tokens), device=device)
+        self.slots = nn.Buffer(slots, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.frozen[0]
         slot = self.slots[ids]
-        rest = table(ids.to(table.weight.device)).to(ids.device, self.weight.dtype)
-        return torch.where((slot >= 0).unsqueeze(-1), self.weight[slot.clamp(min=0)], rest)
+        rows = self.weight[slot.clamp(min=0)]
+        missing = slot < 0
+        if not missing.any():  # healing text: every token has a trained row
+            return rows
+        table = self.frozen[0]
+        rest = torch.zeros_like(rows)
+        rest[missing] = table(ids[missing].to(table.weight.device)).to(rows)
+        return torch.where(missing.unsqueeze(-1), rest, rows)
 
 
-class blended:
-    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up-projections, and the rows of `tokens`
-    in `stem`'s tables train as compact fp32 copies (`StemCompactTable`). On exit the trained rows are written back into
-    the tables and the STEM layers are restored, also after an error."""
+class BlendedStem:
+    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up- and down-projections, and the rows of
+    `tokens` in `stem`'s tables train as compact fp32 copies (`StemCompactTable`). On exit the trained rows are written
+    back into the tables and the STEM layers are restored, also after an error."""
 
     def __init__(self, dense: nn.Module, stem: nn.Module, tokens: torch.Tensor):
         self.dense, self.stem, self.tokens = dense, stem, tokens
+        self.saved, self.mlps, self.compact = {}, [], nn.ModuleList()
 
-    def __enter__(self) -> "blended":
+    def __enter__(self) -> "BlendedStem":
         layers, tables = self.stem.model.layers, self.stem.model.stem_tables
         device = self.stem.get_input_embeddings().weight.device
-        self.saved, self.mlps, self.compact = {}, [], nn.ModuleList()
-        for key, table in list(tables.items()):
-            layer = int(key)
-            self.saved[key] = (table, layers[layer].mlp)
-            blend = StemBlendMLP(layers[layer].mlp, self.dense.model.layers[layer].mlp)
-            compact = StemCompactTable(table, self.tokens, device)
-            layers[layer].mlp, tables[key] = blend, compact
-            self.mlps.append(blend)
-            self.compact.append(compact)
+        try:
+            for key, table in list(tables.items()):
+                layer = int(key)
+                blend = StemBlendMLP(layers[layer].mlp, self.dense.model.layers[layer].mlp)
+                compact = StemCompactTable(table, self.tokens, device)
+                self.saved[key] = (table, layers[layer].mlp)
+                layers[layer].mlp, tables[key] = blend, compact
+                self.mlps.append(blend)
+                self.compact.append(compact)
+        except BaseException:
+            self._restore(write_back=False)
+            raise
         return self
 
     def set_blend(self, a: float) -> None:
@@ -94,10 +105,18 @@ class blended:
             mlp.blend = a
 
     def __exit__(self, *exc) -> None:
+        self._restore(write_back=True)
+
+    def _restore(self, write_back: bool) -> None:
         layers, tables = self.stem.model.layers, self.stem.model.stem_tables
-        with torch.no_grad():
+        try:
+            if write_back:
+                with torch.no_grad():
+                    for key, (table, _) in self.saved.items():
+                        tokens = self.tokens.to(table.weight.device)
+                        table.weight[tokens] = tables[key].weight.to(table.weight)
+        finally:
             for key, (table, mlp) in self.saved.items():
-                table.weight[self.tokens.to(table.weight.device)] = tables[key].weight.to(table.weight)
                 layers[int(key)].mlp, tables[key] = mlp, table
 
 
@@ -116,14 +135,33 @@ def _trainable(stem: nn.Module, train: str) -> list[nn.Parameter]:
     return [p for p in stem.parameters() if id(p) not in tables]
 
 
-def check_heal_options(tokens: int, train: str = "all", anneal: float = 0.25, **_) -> None:
+def check_heal_options(
+    tokens: int,
+    train: str = "all",
+    anneal: float = 0.25,
+    table_lr: float = 1e-2,
+    lr: float = 1e-4,
+    warmup: float = 0.05,
+    log_every: int = 10,
+    device: str | torch.device | None = None,
+) -> None:
     """Raises on options `heal` would refuse, so that a conversion fails before its calibration, not after."""
-    if tokens < 0:
-        raise ValueError(f"heal tokens: {tokens} is negative")
+    if tokens < 0 or tokens == 1:
+        raise ValueError(f"heal tokens: {tokens} is not 0 (no healing) or at least 2 (one prediction)")
     if train not in TRAINABLE:
         raise ValueError(f"heal train: {train!r} is not one of {', '.join(TRAINABLE)}")
-    if not 0.0 <= anneal <= 1.0:
-        raise ValueError(f"heal anneal: {anneal} is not a share of the healing steps in [0, 1]")
+    for name, share in (("anneal", anneal), ("warmup", warmup)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"heal {name}: {share} is not a share of the healing steps in [0, 1]")
+    if table_lr <= 0 or lr < 0:
+        raise ValueError(f"heal learning rates: table_lr {table_lr} must be > 0 and lr {lr} >= 0")
+    if log_every < 1:
+        raise ValueError(f"heal log_every: {log_every} must be at least 1")
+    if device is not None:
+        try:
+            torch.empty(0, device=device)  # an unknown or absent device fails here, not after calibration
+        except (RuntimeError, AssertionError) as error:  # CPU-only builds assert on CUDA
+            raise ValueError(f"heal device: {device!r} is not usable here ({error})") from error
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -131,6 +169,12 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     student = F.log_softmax(student_logits.float().flatten(0, -2), dim=-1)
     teacher = F.log_softmax(teacher_logits.float().flatten(0, -2), dim=-1)
     return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+
+
+@torch.no_grad()
+def _mean_kl(dense: nn.Module, stem: nn.Module, chunks: list[torch.Tensor], device: torch.device) -> float:
+    kls = [distillation_loss(stem(c[None].to(device)).logits, dense(c[None].to(device)).logits) for c in chunks]
+    return torch.stack(kls).mean().item()
 
 
 def heal(
@@ -148,12 +192,16 @@ def heal(
 ) -> dict:
     """Trains `stem` (in place) to match `dense` on `chunks` (1-D token id tensors, cycled) for `tokens` tokens, one
     chunk per step. `train`: "tables" (tables only), "ffn" (tables plus the STEM layers' gate and down projections) or
-    "all" (every weight). Learning rates warm up over `warmup` of the steps, then decay on a cosine to 10%.
-    `callback(tokens_seen, a, kl)` is called every `log_every` steps with the blend `a` and the recent mean KL; the
-    model is valid for any input then (at `a == 0` it is the STEM model being healed). Returns facts for the report."""
-    check_heal_options(tokens, train, anneal)
+    "all" (every weight). Learning rates warm up over `warmup` of the steps, then decay on a cosine to 10%; gradients
+    are clipped to norm 1 for the table rows and the other weights apart (as the paper's code clips its tables).
+    `callback(tokens_seen, a, kl)` is called every `log_every` steps with the blend `a` and the recent mean KL, the
+    model in eval mode; it is valid for any input then (at `a == 0` it is the STEM model being healed). Healing runs
+    where `stem`'s embeddings are; `dense` must be on the same device. Returns facts for the report."""
+    check_heal_options(tokens, train, anneal, table_lr, lr, warmup, log_every)
+    if not stem.config.stem_layers:
+        raise ValueError("healing: the model has no STEM layers, so there is nothing to heal")
     chunks = [c for c in chunks if len(c) >= 2]
-    if not chunks:
+    if not chunks or tokens < 2:
         raise ValueError("healing needs calibration text: no chunk holds two tokens")
     steps, total = [], 0  # the chunks of each step, cycling through the text, `tokens` in all
     while total < tokens:
@@ -163,18 +211,20 @@ def heal(
         steps.append(chunk)
         total += len(chunk)
     start = time.perf_counter()
-    was_training = stem.training
+    was_training = stem.training, dense.training
     flags = {p: p.requires_grad for p in (*dense.parameters(), *stem.parameters())}
     dense.eval().requires_grad_(False)
     stem.requires_grad_(False)
-    params = _trainable(stem, train)
+    params = [p for p in _trainable(stem, train) if flags[p]]  # what the caller froze stays frozen
     for p in params:
         p.requires_grad_(True)
     seen = torch.unique(torch.cat(steps))
     device = stem.get_input_embeddings().weight.device
     losses, seen_tokens = [], 0
     try:
-        with blended(dense, stem, seen) as blend:
+        with BlendedStem(dense, stem, seen) as blend:
+            blend.set_blend(0.0)
+            kl_before = _mean_kl(dense, stem, steps[:4], device)  # the pure STEM model, before any training
             groups = [{"params": list(blend.compact.parameters()), "lr": table_lr}]
             if params:
                 groups.append({"params": params, "lr": lr})
@@ -184,22 +234,23 @@ def heal(
             def schedule(step: int) -> float:
                 if step < n_warm:
                     return (step + 1) / n_warm
-                return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - n_warm) / max(1, n - n_warm)))
+                return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - n_warm) / max(1, n - n_warm - 1)))
 
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-            n_anneal = int(anneal * n)
+            n_anneal = math.ceil(anneal * n)
             stem.train()
             bar = tqdm(steps, desc="healing", unit="step")
             for step, ids in enumerate(bar):
-                a = max(0.0, 1.0 - (step + 1) / n_anneal) if n_anneal else 0.0
+                a = max(0.0, 1.0 - (step + 1) / (n_anneal + 1))  # n_anneal steps strictly between 1 and 0
                 blend.set_blend(a)
                 ids = ids[None].to(device)
                 with torch.no_grad():
-                    teacher = dense(ids).logits
-                student = stem(ids).logits
+                    teacher = dense(ids, use_cache=False).logits
+                student = stem(ids, use_cache=False).logits
                 loss = distillation_loss(student, teacher)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+                for group in groups:
+                    torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -209,9 +260,12 @@ def heal(
                     kl = sum(losses[-log_every:]) / len(losses[-log_every:])
                     bar.set_postfix(kl=f"{kl:.3f}", a=f"{a:.2f}")
                     if callback is not None:
+                        stem.eval()
                         callback(seen_tokens, a, kl)
+                        stem.train()
     finally:
-        stem.train(was_training)
+        stem.train(was_training[0])
+        dense.train(was_training[1])
         for p, flag in flags.items():
             p.requires_grad_(flag)
     return {
@@ -222,7 +276,7 @@ def heal(
         "heal_table_lr": table_lr,
         "heal_lr": lr if params else None,
         "heal_rows": len(seen),
-        "heal_kl_first": sum(losses[:log_every]) / len(losses[:log_every]),
+        "heal_kl_before": kl_before,
         "heal_kl_last": sum(losses[-log_every:]) / len(losses[-log_every:]),
         "heal_wall_time_s": time.perf_counter() - start,
     }

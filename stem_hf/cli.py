@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
     # Left unset, the healing options take `conversion.heal.heal`'s defaults.
-    convert.add_argument("--heal-train", choices=["tables", "ffn", "all"], help="what healing trains (default: all)")
+    convert.add_argument("--heal-train", choices=("tables", "ffn", "all"), help="what healing trains (default: all)")
     convert.add_argument("--heal-anneal", type=float, help="share of the healing steps that blend W_up out")
     convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
     convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")

@@ -7,12 +7,12 @@ import torch
 from test_conversion import _dense, _texts
 
 from conversion import convert
-from conversion.heal import StemBlendMLP, blended, distillation_loss, heal
+from conversion.heal import BlendedStem, StemBlendMLP, distillation_loss, heal
 from stem_hf.modeling_stem import StemTableMLP
 
 
-def _opinionated(kind: str):
-    dense = _dense(kind)
+def _opinionated(kind: str, tied: bool = False):
+    dense = _dense(kind, tied)
     with torch.no_grad():  # a random model at the default init predicts nearly uniformly: give it opinions
         for name, param in dense.named_parameters():
             if name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")):
@@ -20,8 +20,8 @@ def _opinionated(kind: str):
     return dense
 
 
-def _converted(layers=(1, 2), init="fitted"):
-    dense = _opinionated("llama")
+def _converted(layers=(1, 2), init="fitted", tied=False):
+    dense = _opinionated("llama", tied)
     stem, _ = convert(
         dense,
         stem_layers=list(layers),
@@ -43,7 +43,7 @@ def test_the_blend_at_one_is_the_dense_model_and_at_zero_the_stem_model():
     ids = torch.randint(0, 64, (2, 17))
     with torch.no_grad():
         stem_logits = stem(ids).logits
-        with blended(dense, stem, torch.tensor([1, 5, 9])) as blend:  # other rows: read from the tables
+        with BlendedStem(dense, stem, torch.tensor([1, 5, 9])) as blend:  # other rows: read from the tables
             assert all(isinstance(stem.model.layers[i].mlp, StemBlendMLP) for i in (1, 2))
             blend.set_blend(1.0)
             assert (stem(ids).logits - dense(ids).logits).abs().max() < 1e-5
@@ -59,16 +59,20 @@ def test_the_blend_at_one_is_the_dense_model_and_at_zero_the_stem_model():
         assert torch.equal(stem(ids).logits, stem_logits)
 
 
-@pytest.mark.parametrize("train", ["tables", "ffn", "all"])
-def test_healing_brings_the_stem_model_closer_to_dense(train):
-    dense, stem = _converted(init="xavier")
+@pytest.mark.parametrize(("train", "tied"), [("tables", False), ("ffn", False), ("all", False), ("all", True)])
+def test_healing_brings_the_stem_model_closer_to_dense(train, tied):
+    dense, stem = _converted(init="xavier", tied=tied)
     text = _texts(8, 120, seed=7)
     chunks = [torch.tensor([1, *t[:59]]) for t in text]
+    stem.model.norm.weight.requires_grad_(False)  # a caller's frozen weight stays frozen, and untrained
     before = {n: p.detach().clone() for n, p in stem.named_parameters()}
     kl_before = _kl(dense, stem, chunks)
-    info = heal(dense, stem, chunks, tokens=3000, train=train, anneal=0.25, table_lr=3e-2, lr=1e-3)
+    seen = []
+    info = heal(dense, stem, chunks, 3000, train=train, table_lr=3e-2, lr=1e-3, callback=lambda *a: seen.append(a))
     assert _kl(dense, stem, chunks) < 0.7 * kl_before
     assert info["heal_tokens"] == 3000 and info["heal_train"] == train
+    assert info["heal_kl_last"] < info["heal_kl_before"]
+    assert seen[-1][0] == 3000 and seen[-1][1] == 0.0 and 0 < seen[0][1] < 1  # tokens seen, blend, KL
     changed = {n for n, p in stem.named_parameters() if not torch.equal(p, before[n])}
     assert {"model.stem_tables.1.weight", "model.stem_tables.2.weight"} <= changed
     ffn = {f"model.layers.{i}.mlp.{m}.weight" for i in (1, 2) for m in ("gate_proj", "down_proj")}
@@ -77,8 +81,25 @@ def test_healing_brings_the_stem_model_closer_to_dense(train):
     elif train == "ffn":
         assert changed - {"model.stem_tables.1.weight", "model.stem_tables.2.weight"} == ffn
     else:
-        assert "model.layers.0.self_attn.q_proj.weight" in changed and ffn <= changed
-    assert all(p.requires_grad for p in stem.parameters()) and all(p.requires_grad for p in dense.parameters())
+        assert {"model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"} | ffn <= changed
+        assert "model.norm.weight" not in changed
+    assert not stem.model.norm.weight.requires_grad
+    assert all(p.requires_grad for n, p in stem.named_parameters() if n != "model.norm.weight")
+    assert all(p.requires_grad for p in dense.parameters()) and not dense.training
+    assert tied == (stem.lm_head.weight is stem.model.embed_tokens.weight)
+
+
+def test_an_interrupted_healing_restores_the_stem_layers():
+    dense, stem = _converted()
+
+    def stop(*args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        heal(dense, stem, [torch.tensor([1, 5, 6, 7] * 10)], tokens=400, log_every=1, callback=stop)
+    assert all(isinstance(stem.model.layers[i].mlp, StemTableMLP) for i in (1, 2))
+    assert all(type(t).__name__ == "StemTable" for t in stem.model.stem_tables.values())
+    assert all(p.requires_grad for p in stem.parameters())
 
 
 def test_only_rows_of_tokens_in_the_text_change():
@@ -101,6 +122,18 @@ def test_bad_healing_options_are_clear_errors():
         heal(dense, stem, chunks, tokens=10, anneal=1.5)
     with pytest.raises(ValueError, match="healing needs calibration text"):
         heal(dense, stem, [torch.tensor([1])], tokens=10)
+    with pytest.raises(ValueError, match="heal tokens: 1 is not 0"):
+        heal(dense, stem, chunks, tokens=1)
+    with pytest.raises(ValueError, match=r"heal warmup: 2 is not a share"):
+        heal(dense, stem, chunks, tokens=10, warmup=2)
+    with pytest.raises(ValueError, match="heal log_every: 0"):
+        heal(dense, stem, chunks, tokens=10, log_every=0)
+    with pytest.raises(ValueError, match="table_lr 0 must be > 0"):
+        heal(dense, stem, chunks, tokens=10, table_lr=0)
+    with pytest.raises(ValueError, match="heal device: 'cuda:99' is not usable here"):  # before any calibration
+        convert(dense, stem_layers=[1], init="fitted", calibration=chunks, heal_tokens=10, device="cuda:99")
+    with pytest.raises(ValueError, match="no STEM layers"):
+        heal(dense, convert(dense, stem_layers="")[0], chunks, tokens=10)
     with pytest.raises(ValueError, match="none was given"):
         convert(dense, stem_layers=[1], init="xavier", heal_tokens=100)
 
