@@ -5,6 +5,7 @@ layer only, and the forward stops after the last chosen layer. Position 0 (the a
 tokenizer has one) is kept apart: its FFN input is a function of that token alone, so it gets an exact row.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,13 @@ class _Stop(Exception):
     pass
 
 
-def run_to_layers(model, chunks: list[torch.Tensor], layers: list[int], collect, desc: str) -> None:
+def run_to_layers(
+    model: torch.nn.Module,
+    chunks: list[torch.Tensor],
+    layers: list[int],
+    collect: Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor], None],
+    desc: str,
+) -> None:
     """Runs `model` over each chunk and calls `collect(layer, mlp, ffn_input [seq, hidden], chunk)` at the FFN of each
     of `layers`; the forward stops after the last of them (nothing after it is needed)."""
     last = max(layers)

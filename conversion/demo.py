@@ -1,5 +1,5 @@
-"""`make demo`: converts the embedded SmolLM2-135M to STEM-1/3, saves it with table shards, loads it back through
-`trust_remote_code`, and compares it with the dense model."""
+"""`make demo`: converts the embedded SmolLM2-135M to STEM-1/3 (fitted tables, refit `W_down`, a short healing), saves
+it with table shards, loads it back through `trust_remote_code`, and compares it with the dense model."""
 
 import json
 import os
@@ -73,16 +73,15 @@ def run_demo(
     )
     print(f"  calibration: {report['calibration_tokens']} tokens, {report['vocab_coverage']:.1%} of the vocabulary")
     dense_ppl = report["heldout_perplexity_dense"]
-    healed = (
-        f"STEM before healing {report['heldout_perplexity_stem_before_healing']:.1f} "
-        f"({report['perplexity_ratio_before_healing']:.2f}x), after {report['heal_tokens']} healing tokens "
-        if heal_tokens
-        else "STEM, no healing, "
-    )
-    print(
-        f"  held-out perplexity ({report['heldout_tokens']} tokens): dense {dense_ppl:.1f}, {healed}"
-        f"{report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x)"
-    )
+    print(f"  held-out perplexity ({report['heldout_tokens']} tokens): dense {dense_ppl:.1f}")
+    if heal_tokens:
+        print(
+            f"    STEM before healing {report['heldout_perplexity_stem_before_healing']:.1f} "
+            f"({report['perplexity_ratio_before_healing']:.2f}x), after {report['heal_tokens']} healing tokens "
+            f"{report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x)"
+        )
+    else:
+        print(f"    STEM, no healing: {report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x)")
     bos = stem.config.bos_token_id
     for prompt in PROMPTS:
         print(f"\n  {prompt!r}\n    dense: {_continue(dense, tokenizer, prompt, bos)}")
