@@ -23,6 +23,12 @@ CACHE = Path(os.environ.get("STEM_HF_CACHE", Path.home() / ".cache" / "stem-hf")
 HELDOUT_PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt")
 HELDOUT_LEE_FROM = 250  # articles 250-299 of the Lee corpus
 HELDOUT_WIKI_FROM = 90  # articles 90- of the Wikipedia sample
+CORPUS_NAMES = {  # what model cards and reports say the bundled text is
+    "calibration": "the bundled public-domain corpus (Shakespeare's plays but Hamlet and Macbeth, Lee news articles "
+    "0-249, Wikipedia sample articles 0-89, the first half of Botchan)",
+    "heldout": "the bundled held-out corpus (Hamlet, Macbeth, Lee news articles 250-299, Wikipedia sample articles "
+    "90-, the second half of Botchan)",
+}
 
 
 def smollm2_gguf() -> str:

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from .assets import corpora
+from .assets import CORPUS_NAMES, corpora
 from .convert import convert
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -39,6 +39,10 @@ def run_convert(args: argparse.Namespace) -> dict:
         device=args.device,
         heal_tokens=args.heal_tokens,
         heal_options={k: v for k, v in heal_options.items() if v is not None},
+        calibration_name=", ".join(args.calibration) if args.calibration is not None else CORPUS_NAMES["calibration"],
+        heldout_name=", ".join(args.heldout) if args.heldout is not None else CORPUS_NAMES["heldout"],
+        base_model=args.base_model,
+        license=args.license,
     )
     print(json.dumps(report, indent=2))
     return report

@@ -1,14 +1,16 @@
 """`convert`: a dense Llama-family checkpoint to a STEM checkpoint, with tables initialized from the dense weights."""
 
+import copy
 import json
 import math
 import os
+import re
 import time
 
 import torch
 from tqdm import tqdm
 
-from stem_hf import StemForCausalLM
+from stem_hf import StemForCausalLM, write_model_card
 
 from .calibrate import calibrate
 from .heal import check_heal_options, heal
@@ -17,6 +19,7 @@ from .refit_down import refit_down
 from .sources import load_source, stem_config_from_dense
 
 INITS = ("fitted", "mean", "projected", "xavier")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
 
 
@@ -129,6 +132,10 @@ def convert(
     heal_tokens: int = 0,
     device: str | torch.device | None = None,
     heal_options: dict | None = None,
+    calibration_name: str | None = None,
+    heldout_name: str | None = None,
+    base_model: str | None = None,
+    license: str | None = None,
 ) -> tuple[StemForCausalLM, dict]:
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
 
@@ -137,7 +144,11 @@ def convert(
     `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. With `heal_tokens`, the
     initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
     to `conversion.heal.heal`) on `device` (default: where the model is; tables stay in host memory). Saves to `out`
-    (with the tokenizer, generation config and `conversion_report.json`) when given, and returns `(model, report)`.
+    (with the tokenizer, generation config, `conversion_report.json` and a model card) when given, and returns
+    `(model, report)`.
+
+    For the report and the model card: `calibration_name` and `heldout_name` say what the texts are, `base_model` is
+    the source's Hub id (default: `source` when it is one) and `license` its license id (e.g. "apache-2.0").
     """
     if init not in INITS:
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
@@ -166,9 +177,13 @@ def convert(
             raise ValueError("refit: refitting W_down needs calibration text (--calibration)")
         refit_down(dense, stem, calib_chunks)
     heldout_ppl = (lambda model: perplexity(model, heldout_chunks)) if heldout_chunks else (lambda model: None)
+    if base_model is None and isinstance(source, str) and not os.path.exists(source) and HUB_ID.fullmatch(source):
+        base_model = source
     report = {
         "source": source_name,
         "source_architecture": type(dense).__name__,
+        "base_model": base_model,
+        "license": license,
         "stem_layers": config.stem_layers,
         "init": init,
         "refit_down": bool(refit and config.stem_layers),
@@ -176,6 +191,9 @@ def convert(
         # Every chunk, calibration and held-out, starts with BOS (the converted model's exact position-0 row needs it).
         "bos_prepended": bos is not None,
         **calibration_info,
+        "calibration_data": calibration_name
+        or (f"{len(calibration)} texts passed to convert()" if calibration else None),
+        "heldout_data": heldout_name or (f"{len(heldout)} texts passed to convert()" if heldout else None),
         "heldout_tokens": sum(len(c) for c in heldout_chunks),
         "heldout_perplexity_dense": heldout_ppl(dense),
         "heldout_perplexity_stem": heldout_ppl(stem),
@@ -203,9 +221,15 @@ def convert(
     if out is not None:
         stem.save_pretrained(out)
         if tokenizer is not None:
+            tokenizer = copy.deepcopy(tokenizer)
+            if bos is not None and tokenizer.bos_token_id == bos:
+                # Every calibration chunk started with BOS and the tables hold an exact row for it at position 0: the
+                # saved tokenizer prepends it by itself, so pipelines and lm-eval feed the model what it was fit on.
+                tokenizer.add_bos_token = True
             tokenizer.save_pretrained(out)
         path = os.path.join(out, "conversion_report.json")
         with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=2)
         os.replace(path + ".tmp", path)
+        write_model_card(out)  # again, now that the report it describes is there
     return stem, report

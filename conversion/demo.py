@@ -8,12 +8,14 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from stem_hf import write_model_card
 from stem_hf.remote_check import load_without_package
 
-from .assets import corpora, smollm2_gguf
+from .assets import CORPUS_NAMES, corpora, smollm2_gguf
 from .convert import convert
 from .sources import load_source
 
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF quantizes
 PROMPTS = ("Once upon a time, there was a little", "The capital of France is", "To be, or not to be,")
 
 
@@ -29,6 +31,7 @@ def run_demo(
     out: str = "runs/demo", source: str | None = None, calibration_tokens: int = 50_000, heal_tokens: int = 30_000
 ) -> dict:
     torch.set_flush_denormal(True)  # dequantized GGUF weights hold denormals: 4-5x slower CPU matmuls without this
+    provenance = {} if source else {"base_model": SMOLLM2_HUB_ID, "license": "apache-2.0"}
     source = source or smollm2_gguf()
     texts = corpora()
     dense, tokenizer = load_source(source)
@@ -44,12 +47,16 @@ def run_demo(
         heldout_tokens=10_000,
         tokenizer=tokenizer,
         heal_tokens=heal_tokens,
+        calibration_name=CORPUS_NAMES["calibration"],
+        heldout_name=CORPUS_NAMES["heldout"],
+        **provenance,
     )
     report["source"] = source  # the model was passed loaded: name the file it came from
     path = os.path.join(checkpoint, "conversion_report.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=2)
     os.replace(path + ".tmp", path)
+    write_model_card(checkpoint)
 
     start = time.perf_counter()
     stem = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)

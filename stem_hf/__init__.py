@@ -2,12 +2,13 @@
 
 Importing the package registers the `"stem"` architecture with the Auto classes and marks the model files to be
 copied next to the weights on `save_pretrained`, so checkpoints also load with `trust_remote_code=True` where this
-package is not installed.
+package is not installed. It also gives saves a model card (`README.md`, see `stem_hf.model_card`).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_stem import STEM_RATIOS, StemConfig, resolve_stem_layers
+from .model_card import write_model_card
 from .modeling_stem import StemForCausalLM, StemModel, StemPreTrainedModel
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
 StemConfig.register_for_auto_class()
 StemModel.register_for_auto_class("AutoModel")
 StemForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+StemPreTrainedModel._model_card_writer = staticmethod(write_model_card)
 
 __all__ = [
     "STEM_RATIOS",
@@ -26,4 +28,5 @@ __all__ = [
     "StemModel",
     "StemPreTrainedModel",
     "resolve_stem_layers",
+    "write_model_card",
 ]

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +39,34 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
     convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
     convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")
+    convert.add_argument("--base-model", help="the source's Hub id, for the model card (default: SOURCE if a Hub id)")
+    convert.add_argument("--license", help='the source\'s license id for the model card, e.g. "apache-2.0"')
+
+    evaluate = commands.add_parser("eval", help="lm-eval harness tasks on a checkpoint, results saved as JSON")
+    evaluate.add_argument("checkpoint", help="a checkpoint folder or Hub id (STEM or dense, with a tokenizer)")
+    evaluate.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks or groups, e.g. stem_offline")
+    evaluate.add_argument("--include-path", help="a folder of your own lm-eval task YAMLs")
+    evaluate.add_argument("--device", default="cpu", help="where the dense weights run, e.g. cuda")
+    evaluate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    evaluate.add_argument(
+        "--tables-on-device", action="store_true", help="move STEM tables to --device too (default: host memory)"
+    )
+    evaluate.add_argument("--batch-size", type=int, default=1)
+    evaluate.add_argument("--limit", type=float, help="examples per task (a fraction if below 1)")
+    evaluate.add_argument("--num-fewshot", type=int)
+    evaluate.add_argument("--output", help="results JSON (default: CHECKPOINT/lm_eval_results.json for a folder)")
+
+    card = commands.add_parser("card", help="write or refresh the model card (README.md) of a STEM checkpoint folder")
+    card.add_argument("checkpoint")
+    card.add_argument("--repo-id", help="the Hub id to show in the usage snippet")
+    card.add_argument("--force", action="store_true", help="replace a README.md that stem-hf did not write")
+
+    push = commands.add_parser("push", help="upload a STEM checkpoint folder (weights, tables, code, tokenizer, card)")
+    push.add_argument("checkpoint")
+    push.add_argument("repo_id")
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--revision", help="branch to push to (created if missing)")
+    push.add_argument("--commit-message")
 
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -56,6 +85,46 @@ def main(argv: list[str] | None = None) -> None:
         from conversion.cli import run_convert
 
         run_convert(args)
+    elif args.command == "eval":
+        run_eval(args)
+    elif args.command == "card":
+        from .model_card import write_model_card
+
+        path = write_model_card(args.checkpoint, repo_id=args.repo_id, overwrite=args.force)
+        print(f"wrote {path}" if path else f"kept the hand-written {args.checkpoint}/README.md (--force replaces it)")
+    elif args.command == "push":
+        from .hub import push_checkpoint
+
+        kwargs = {"private": args.private or None, "revision": args.revision, "commit_message": args.commit_message}
+        print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    from .evaluation import RESULTS_FILE, evaluate, headline_metrics, load_for_eval
+    from .model_card import write_model_card
+
+    local = os.path.isdir(args.checkpoint)
+    output = args.output or (os.path.join(args.checkpoint, RESULTS_FILE) if local else None)
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    model, tokenizer = load_for_eval(args.checkpoint, args.device, args.dtype, tables_on_cpu=not args.tables_on_device)
+    results = evaluate(
+        model,
+        [t.strip() for t in args.tasks.split(",") if t.strip()],
+        tokenizer,
+        batch_size=args.batch_size,
+        limit=limit,
+        num_fewshot=args.num_fewshot,
+        include_path=args.include_path,
+        output=output,
+    )
+    for task, metrics in headline_metrics(results).items():
+        print(f"{task:24s} " + "  ".join(f"{metric} {value:.4f}" for metric, value in metrics.items()))
+    if output:
+        print(f"results: {output}")
+    if local and output and os.path.samefile(os.path.dirname(os.path.abspath(output)), args.checkpoint):
+        if getattr(model.config, "model_type", None) == "stem":
+            write_model_card(args.checkpoint)  # the card quotes the results next to it
+    return results
 
 
 if __name__ == "__main__":

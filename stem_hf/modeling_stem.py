@@ -11,6 +11,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 import dataclasses
 import math
 import os
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -401,6 +402,9 @@ class StemPreTrainedModel(PreTrainedModel):
         "hidden_states": StemDecoderLayer,
         "attentions": StemAttention,
     }
+    # Set by the stem_hf package (`stem_hf.model_card.write_model_card`): the card template and renderer ship with the
+    # package, not with the code copied next to the weights, so a model loaded without stem_hf saves no card.
+    _model_card_writer: Callable | None = None
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, StemTable):
@@ -512,9 +516,60 @@ class StemPreTrainedModel(PreTrainedModel):
             super().save_pretrained(staging, state_dict=dense, max_shard_size=max_shard_size, **kwargs)
             dtype = getattr(torch, self.config.table_dtype)
             finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters())
+        self._write_model_card(save_directory)
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
             self.push_to_hub(repo_id, max_shard_size=max_shard_size, token=kwargs.get("token"), **hub_kwargs)
+
+    def _write_model_card(self, folder: str | os.PathLike, repo_id: str | None = None) -> None:
+        """Writes or refreshes `README.md` when stem_hf is installed; never replaces a card a person wrote. A card that
+        cannot be rendered (say, a corrupt `conversion_report.json`) is a warning: the weights are saved by then."""
+        if self._model_card_writer is None:
+            return
+        try:
+            self._model_card_writer(folder, repo_id=repo_id, tags=self.model_tags)
+        except (OSError, ValueError) as err:
+            logger.warning(f"no model card written to {folder}: {err}")
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | None = None,
+    ) -> str:
+        """`PushToHubMixin.push_to_hub`, uploading what `save_pretrained` writes: config, copied code, dense and table
+        shards, and the stem-hf model card (with `repo_id` in its usage snippet). A card on the Hub that a person wrote
+        is kept, its tags updated, as transformers does; a card stem-hf generated is refreshed. The tokenizer is pushed
+        on its own (`tokenizer.push_to_hub`), or with the whole folder by `stem-hf push`."""
+        from transformers.utils.hub import create_and_tag_model_card, hf_api  # only pushes need them
+
+        api = hf_api()
+        repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        if tags:
+            self.add_model_tags(tags)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, max_shard_size=max_shard_size)
+            on_hub = api.file_exists(repo_id, "README.md", revision=revision, token=token)
+            if on_hub or self._model_card_writer is None:
+                create_and_tag_model_card(repo_id, self.model_tags, token=token).save(os.path.join(tmp, "README.md"))
+            self._write_model_card(tmp, repo_id)
+            return self._upload_modified_files(
+                tmp,
+                repo_id,
+                files_timestamps={},
+                commit_message=commit_message,
+                token=token,
+                create_pr=create_pr,
+                revision=revision,
+                commit_description=commit_description,
+            )
 
     def set_table_dtype(self, dtype: torch.dtype | str) -> None:
         """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""

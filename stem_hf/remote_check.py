@@ -14,17 +14,23 @@ from pathlib import Path
 import torch
 
 
-def load_without_package(checkpoint: str | os.PathLike, input_ids: torch.Tensor, max_new_tokens: int = 4) -> dict:
+def load_without_package(
+    checkpoint: str | os.PathLike, input_ids: torch.Tensor, max_new_tokens: int = 4, hub_env: dict | None = None
+) -> dict:
     """Returns `{"logits", "generated", "hidden", "module"}` computed by the checkpoint's copied code in a subprocess.
 
     `HF_MODULES_CACHE` points at a temporary folder, so the code comes from the checkpoint, not from an earlier load.
+    With `hub_env` (say, `HF_ENDPOINT` of a test Hub), `checkpoint` may be a Hub id: it is downloaded into an empty
+    cache. Without it the subprocess is offline.
     """
-    checkpoint = os.path.abspath(checkpoint)  # the subprocess runs elsewhere; a relative path would read as a Hub id
+    if os.path.isdir(checkpoint):
+        checkpoint = os.path.abspath(checkpoint)  # the subprocess runs elsewhere; a relative path would read as an id
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         torch.save({"input_ids": input_ids, "max_new_tokens": max_new_tokens}, tmp / "inputs.pt")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update(HF_MODULES_CACHE=str(tmp / "modules"), HF_HUB_OFFLINE="1")
+        env.update(HF_MODULES_CACHE=str(tmp / "modules"))
+        env.update({**hub_env, "HF_HOME": str(tmp / "hf")} if hub_env else {"HF_HUB_OFFLINE": "1"})
         result = subprocess.run(
             [sys.executable, __file__, str(checkpoint), str(tmp / "inputs.pt"), str(tmp / "out.pt")],
             cwd=tmp,

@@ -26,6 +26,22 @@ def tiny_model(**overrides) -> StemForCausalLM:
     return StemForCausalLM(tiny_config(**overrides)).eval()
 
 
+BYTE_VOCAB = 259  # <pad>, <s>, </s> and the 256 bytes
+
+
+def byte_tokenizer():
+    """A real fast tokenizer over bytes (no merges), ids matching TINY's pad/bos/eos: any text tokenizes, no Hub."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(alphabet)}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -1,0 +1,135 @@
+"""`stem-hf eval`: the lm-eval harness on a STEM checkpoint (or any causal LM, for the dense baseline), with STEM's
+placement and dtype options, results written as JSON next to the weights so that the model card can quote them.
+
+The shipped offline tasks (`stem_facts`, `stem_complete`, `stem_prose`, grouped as `stem_offline`) live in
+`stem_hf/lm_eval_tasks` and need no Hub access; standard tasks (arc_easy, hellaswag, piqa, ...) need it.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from .configuration_stem import StemConfig
+
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
+RESULTS_FILE = "lm_eval_results.json"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Per-task entries of lm-eval's results, merged task by task into an existing results file.
+MERGED_KEYS = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
+
+
+def load_for_eval(
+    checkpoint: str | os.PathLike,
+    device: str = "cpu",
+    dtype: str = "auto",
+    tables_on_cpu: bool = True,
+):
+    """`(model, tokenizer)` from a local folder or Hub id. A STEM model on an accelerator keeps its tables in host
+    memory (memory-mapped) unless `tables_on_cpu=False`; `dtype` applies to the dense weights (tables keep
+    `config.table_dtype`)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    checkpoint = os.fspath(checkpoint)
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
+    kwargs = {"dtype": dtype, "trust_remote_code": True}
+    if torch.device(device).type != "cpu":
+        kwargs["device_map"] = {"": device}
+    if config.model_type == StemConfig.model_type:
+        kwargs["keep_tables_on_cpu"] = tables_on_cpu
+    elif not tables_on_cpu:
+        raise ValueError(f"tables_on_cpu: {checkpoint} is a {config.model_type!r} model, which has no STEM tables")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{checkpoint} has no tokenizer, which lm-eval needs: save one next to the weights") from err
+    return model, tokenizer
+
+
+def evaluate(
+    model,
+    tasks: list[str],
+    tokenizer=None,
+    *,
+    batch_size: int = 1,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    include_path: str | os.PathLike | None = None,
+    output: str | os.PathLike | None = None,
+    seed: int = 1234,
+) -> dict:
+    """Runs lm-eval's `simple_evaluate` on a loaded model (`tokenizer` required) or a checkpoint path (loaded with
+    `load_for_eval`'s defaults). The shipped offline tasks are always found; `include_path` adds a folder of yours.
+
+    Returns lm-eval's results (`results`, `groups`, `configs`, `n-samples`, ...). With `output`, they are also merged
+    into that JSON file (a task evaluated again replaces its earlier entry) by an atomic write.
+    """
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise ValueError("tasks: name at least one lm-eval task or group (e.g. stem_offline)")
+    if isinstance(model, (str, os.PathLike)):
+        model, tokenizer = load_for_eval(model)
+    elif tokenizer is None:
+        raise ValueError("tokenizer: lm-eval needs the model's tokenizer next to an already-loaded model")
+    paths = [str(TASKS_DIR)] + ([os.fspath(include_path)] if include_path else [])
+    manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"tasks: lm-eval knows no task or group named {', '.join(map(repr, unknown))}")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+    results = json.loads(json.dumps(results, default=_jsonable))  # what lm-eval's own writer does with odd values
+    results.pop("samples", None)
+    if output is not None:
+        _merge_into(Path(output), results)
+    return results
+
+
+def _jsonable(value):
+    return str(value) if not isinstance(value, torch.Tensor) else value.tolist()
+
+
+def _merge_into(path: Path, results: dict) -> None:
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    for key in MERGED_KEYS:
+        if key in results:
+            merged[key] = {**merged.get(key, {}), **results[key]}
+    merged["config"] = results.get("config", {})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(merged, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def headline_metrics(results: dict) -> dict[str, dict[str, float]]:
+    """`{task: {metric: value}}` from lm-eval results: each task's metrics with the filter suffix dropped when it is
+    the only filter, stderr and aliases left out. What the model card and the README tables show."""
+    table = {}
+    for task, metrics in results.get("results", {}).items():
+        row = {}
+        for key, value in metrics.items():
+            if key == "alias" or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            metric, _, filter_name = key.partition(",")
+            row[metric if filter_name in ("none", "") else f"{metric} ({filter_name})"] = float(value)
+        if row:
+            table[task] = row
+    return table
+
+
+__all__ = ["DTYPES", "RESULTS_FILE", "TASKS_DIR", "evaluate", "headline_metrics", "load_for_eval"]

@@ -1,0 +1,114 @@
+"""push_to_hub and `stem-hf push` against a loopback fake Hub, and loading back by repo id in a fresh interpreter that
+cannot import stem_hf: every file a STEM checkpoint needs goes up, and the logits come back the same."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from stem_hf.hub import push_checkpoint
+from stem_hf.model_card import MARKER
+from stem_hf.remote_check import load_without_package
+from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
+from tests.fake_hub import fake_hub
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKPOINT_FILES = {
+    "config.json",
+    "generation_config.json",
+    "configuration_stem.py",
+    "modeling_stem.py",
+    "storage_stem.py",
+    "model.safetensors.index.json",
+    "model-00001-of-00001.safetensors",
+    "stem-tables-00001-of-00001.safetensors",
+    "README.md",
+}
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
+
+
+@pytest.fixture
+def hub():
+    with fake_hub(lifetime=300) as (endpoint, state):
+        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        yield env, state
+
+
+def _run(code: str, env: dict, tmp_path) -> str:
+    """Runs `code` in a fresh interpreter that talks to the fake Hub (huggingface_hub reads HF_ENDPOINT at import)."""
+    run_env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=run_env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model(vocab_size=BYTE_VOCAB)
+    folder = tmp_path / "stem-tiny"
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return model, folder
+
+
+def test_stem_hf_push_uploads_the_folder_and_a_package_free_load_gets_the_same_logits(hub, saved, tmp_path):
+    env, state = hub
+    model, folder = saved
+    out = _run(f"from stem_hf.cli import main; main(['push', {str(folder)!r}, 'user/stem-tiny'])", env, tmp_path)
+    assert "/user/stem-tiny/commit/" in out
+    uploaded = set(state.repos["user/stem-tiny"])
+    assert CHECKPOINT_FILES | TOKENIZER_FILES <= uploaded
+    assert not [f for f in uploaded if f.startswith(".") or f.endswith(".tmp")]
+    card = ModelCard(state.repos["user/stem-tiny"]["README.md"].decode())
+    assert 'from_pretrained("user/stem-tiny", trust_remote_code=True)' in str(card) and "stem" in card.data.tags
+
+    input_ids = torch.randint(3, BYTE_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    remote = load_without_package("user/stem-tiny", input_ids, max_new_tokens=2, hub_env=env)
+    assert remote["module"].startswith("transformers_modules")
+    with torch.no_grad():
+        torch.testing.assert_close(remote["logits"], model(input_ids).logits, rtol=0, atol=0)
+    assert any(r.startswith("GET /user/stem-tiny/resolve/") and "stem-tables" in r for r in state.requests)
+
+    code = "from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained('user/stem-tiny', "
+    code += "trust_remote_code=True); print(t('hi').input_ids)"
+    assert _run(code, env, tmp_path).strip() == str(byte_tokenizer()("hi").input_ids)
+
+
+def test_model_push_to_hub_writes_the_card_and_keeps_one_a_person_wrote(hub, tmp_path):
+    env, state = hub
+    code = """
+        import torch
+        from tests.conftest import tiny_model
+        torch.manual_seed(0)
+        tiny_model().push_to_hub("user/pushed", tags=["my-run"])
+    """
+    _run(code, env, tmp_path)
+    files = state.repos["user/pushed"]
+    assert CHECKPOINT_FILES <= set(files)
+    card = ModelCard(files["README.md"].decode())
+    assert MARKER in card.content and "my-run" in card.data.tags
+    assert 'from_pretrained("user/pushed", trust_remote_code=True)' in card.content
+
+    files["README.md"] = b"---\nlicense: mit\n---\n# Written by hand\n"
+    _run(code, env, tmp_path)
+    kept = ModelCard(state.repos["user/pushed"]["README.md"].decode())
+    assert "# Written by hand" in kept.content and kept.data.license == "mit" and "my-run" in kept.data.tags
+    assert len(state.commits["user/pushed"]) == 2
+
+
+def test_push_refuses_a_broken_or_incomplete_checkpoint_before_uploading(saved, tmp_path):
+    model, folder = saved
+    tables = folder / "stem-tables-00001-of-00001.safetensors"
+    data = tables.read_bytes()
+    tables.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        push_checkpoint(folder, "user/broken")
+    tables.write_bytes(data)
+    for file in folder.glob("tokenizer*"):
+        file.unlink()
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        push_checkpoint(folder, "user/broken")
