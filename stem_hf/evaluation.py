@@ -117,15 +117,17 @@ def _merge_into(path: Path, results: dict) -> None:
 
 
 def headline_metrics(results: dict) -> dict[str, dict[str, float]]:
-    """`{task: {metric: value}}` from lm-eval results: each task's metrics with the filter suffix dropped when it is
-    the only filter, stderr and aliases left out. What the model card and the README tables show."""
+    """`{task: {metric: value}}` from lm-eval results: each task's metrics (those it declares in `higher_is_better`),
+    named with their filter unless it is "none"; stderr, aliases and sample counts left out. What the model card and
+    the README tables show."""
     table = {}
     for task, metrics in results.get("results", {}).items():
+        declared = results.get("higher_is_better", {}).get(task) or {}
         row = {}
         for key, value in metrics.items():
-            if key == "alias" or "_stderr" in key or not isinstance(value, (int, float)):
-                continue
             metric, _, filter_name = key.partition(",")
+            if metric not in declared or not isinstance(value, (int, float)):
+                continue
             row[metric if filter_name in ("none", "") else f"{metric} ({filter_name})"] = float(value)
         if row:
             table[task] = row

@@ -82,6 +82,7 @@ def test_the_python_api_on_a_loaded_model_matches_the_cli_and_keeps_tables_mappe
     assert any(f.endswith(".safetensors") for f in _mapped_files(model.model.stem_tables["1"].weight))
     table = headline_metrics(merged)
     assert set(table) == set(EXPECTED) and "exact_match (first_word)" in table["stem_complete"]
+    assert set(table["stem_facts"]) == {"acc", "acc_norm"}  # no stderr, no sample counts
 
 
 def test_stem_hf_eval_writes_results_next_to_the_weights_and_puts_them_in_the_card(checkpoint, capsys):
