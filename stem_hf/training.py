@@ -1,0 +1,236 @@
+"""Training STEM models with the engines people already use (Trainer, accelerate).
+
+- `param_groups`: weight decay for dense matrices only; norms, biases and tables undecayed; tables get their own
+  learning rate (a table row sees a gradient only when its token is in the batch, so it needs a larger one).
+- `RowSparseAdamW`: AdamW whose table groups keep moments only for rows that have had a gradient and update only the
+  rows in the batch (lazy Adam, as `torch.optim.SparseAdam`), with dense tables gradients, so Trainer's clipping and
+  accelerate work unchanged. Optimizer state for the tables then scales with the rows seen, not the vocabulary.
+- `build_optimizer` / `StemTrainer`: both plugged into `Trainer`.
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from .storage_stem import TABLE_KEY
+
+STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
+
+
+def param_groups(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    table_lr: float | None = None,
+    table_weight_decay: float = 0.0,
+    row_sparse_tables: bool = False,
+) -> list[dict]:
+    """Three optimizer groups over the trainable parameters: `decay` (matrices, the token embedding included, as
+    Trainer does), `no_decay` (norms and biases) and `tables` (`lr=table_lr or lr`, `weight_decay=table_weight_decay`,
+    `row_sparse=row_sparse_tables`). Empty groups are left out; each group has a `name`."""
+    decay, no_decay, tables = [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if TABLE_KEY.search(name):
+            tables.append(param)
+        elif param.ndim < 2:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = [
+        {"name": "decay", "params": decay, "lr": lr, "weight_decay": weight_decay, "row_sparse": False},
+        {"name": "no_decay", "params": no_decay, "lr": lr, "weight_decay": 0.0, "row_sparse": False},
+        {
+            "name": "tables",
+            "params": tables,
+            "lr": lr if table_lr is None else table_lr,
+            "weight_decay": table_weight_decay,
+            "row_sparse": row_sparse_tables,
+        },
+    ]
+    return [group for group in groups if group["params"]]
+
+
+class RowSparseAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with fp32 moments and fp32 update math for every parameter.
+
+    In groups with `row_sparse=True` (2-D parameters: the tables), a row is updated only when its gradient is nonzero
+    (its token was in the batch), and its moments and bias correction advance only then. Moments are kept for rows
+    that have had a gradient, in slots allocated on first use (capacity doubles as needed), plus one int64 slot index
+    per table row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        row_sparse: bool = False,
+    ):
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"RowSparseAdamW: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "row_sparse": row_sparse}
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["row_sparse"] and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError("RowSparseAdamW: row_sparse groups hold 2-D parameters only (tables, embeddings)")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise ValueError("RowSparseAdamW takes dense gradients: build tables without sparse=True")
+                if group["row_sparse"]:
+                    self._row_step(param, group)
+                else:
+                    self._dense_step(param, group)
+        return loss
+
+    def _dense_step(self, param: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, dtype=STATE_DTYPE)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=STATE_DTYPE)
+        state["step"] += 1
+        weight, grad = param.to(STATE_DTYPE), param.grad.to(STATE_DTYPE)
+        self._update(weight, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group)
+        if weight is not param:
+            param.copy_(weight)
+
+    def _row_step(self, param: torch.Tensor, group: dict) -> None:
+        grad = param.grad
+        rows = grad.ne(0).any(dim=1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        state = self.state[param]
+        if not state:
+            state["slot"] = torch.full((param.shape[0],), -1, dtype=torch.long, device=param.device)
+            state["rows_seen"] = torch.zeros((), dtype=torch.long)
+            self._grow(state, param, 0)
+        slots = state["slot"][rows]
+        new = rows[slots < 0]
+        if new.numel():
+            seen = int(state["rows_seen"])
+            self._grow(state, param, seen + new.numel())
+            state["slot"][new] = torch.arange(seen, seen + new.numel(), device=param.device)
+            state["rows_seen"] += new.numel()
+            slots = state["slot"][rows]
+        exp_avg, exp_avg_sq = state["exp_avg"][slots], state["exp_avg_sq"][slots]
+        steps = state["steps"][slots] + 1
+        weight = param[rows].to(STATE_DTYPE)
+        self._update(weight, grad[rows].to(STATE_DTYPE), exp_avg, exp_avg_sq, steps[:, None], group)
+        param[rows] = weight.to(param.dtype)
+        state["exp_avg"][slots], state["exp_avg_sq"][slots], state["steps"][slots] = exp_avg, exp_avg_sq, steps
+
+    @staticmethod
+    def _grow(state: dict, param: torch.Tensor, needed: int) -> None:
+        capacity = state["exp_avg"].shape[0] if "exp_avg" in state else 0
+        if needed <= capacity and "exp_avg" in state:
+            return
+        new_capacity = min(param.shape[0], max(needed, 2 * capacity, 64))
+        for key, width in (("exp_avg", param.shape[1]), ("exp_avg_sq", param.shape[1]), ("steps", None)):
+            shape = (new_capacity, width) if width else (new_capacity,)
+            grown = torch.zeros(shape, dtype=STATE_DTYPE, device=param.device)
+            if key in state:
+                grown[:capacity] = state[key]
+            state[key] = grown
+
+    @staticmethod
+    def _update(weight, grad, exp_avg, exp_avg_sq, step, group: dict) -> None:
+        """One AdamW update in place; `step` is a count (tensor) broadcast against the rows."""
+        beta1, beta2 = group["betas"]
+        weight.mul_(1 - group["lr"] * group["weight_decay"])
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+        denom = (exp_avg_sq / bias2).sqrt_().add_(group["eps"])
+        weight.addcdiv_(exp_avg / bias1, denom, value=-group["lr"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts floating-point state to each parameter's dtype (bf16 tables would get bf16 moments) and every
+        # state tensor of a float parameter to that dtype (slot indices included): restore the saved dtypes after.
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in saved.items():
+            param = params[index]
+            self.state[param] = {
+                k: v.to(param.device, copy=True) if k not in ("step", "rows_seen") else v.clone()
+                for k, v in values.items()
+            }
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state per group name (groups without a name are numbered)."""
+        total = {}
+        for i, group in enumerate(self.param_groups):
+            name = group.get("name", str(i))
+            total[name] = sum(
+                v.numel() * v.element_size()
+                for p in group["params"]
+                for v in self.state.get(p, {}).values()
+                if torch.is_tensor(v)
+            )
+        return total
+
+
+def build_optimizer(
+    model: nn.Module,
+    args: TrainingArguments,
+    table_lr: float | None = None,
+    row_sparse_tables: bool = True,
+) -> RowSparseAdamW:
+    """The optimizer for `Trainer(..., optimizers=(build_optimizer(model, args), None))`: `param_groups` with
+    `args.learning_rate`, `args.weight_decay`, `args.adam_beta1/2` and `args.adam_epsilon`."""
+    groups = param_groups(model, args.learning_rate, args.weight_decay, table_lr, 0.0, row_sparse_tables)
+    return RowSparseAdamW(groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+
+
+class StemTrainer(Trainer):
+    """`Trainer` whose default optimizer is `build_optimizer`: tables undecayed, at `table_lr` (default: the learning
+    rate), row-sparse unless `row_sparse_tables=False`. Everything else is Trainer's."""
+
+    def __init__(self, *args, table_lr: float | None = None, row_sparse_tables: bool = True, **kwargs):
+        self.table_lr = table_lr
+        self.row_sparse_tables = row_sparse_tables
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            model = self.model if model is None else model
+            self.optimizer = build_optimizer(model, self.args, self.table_lr, self.row_sparse_tables)
+        return self.optimizer
+
+
+def adam_state_bytes(model: nn.Module, rows_seen: int | None = None) -> dict[str, int]:
+    """Optimizer-state bytes of the options for `model` (which may be on the meta device): AdamW on every parameter
+    (two fp32 moments each), and RowSparseAdamW with `rows_seen` rows per table holding state (default: all)."""
+    tables = [p for n, p in model.named_parameters() if TABLE_KEY.search(n)]
+    dense = sum(p.numel() for n, p in model.named_parameters() if not TABLE_KEY.search(n))
+    table_elements = sum(p.numel() for p in tables)
+    sparse_tables = sum(
+        (min(rows_seen, p.shape[0]) if rows_seen is not None else p.shape[0]) * (2 * p.shape[1] + 1) * 4
+        + p.shape[0] * 8
+        for p in tables
+    )
+    return {
+        "adamw_all": 8 * (dense + table_elements),
+        "adamw_dense_only": 8 * dense,
+        "row_sparse_tables": sparse_tables,
+        "row_sparse_total": 8 * dense + sparse_tables,
+    }
+
+
+__all__ = ["RowSparseAdamW", "StemTrainer", "adam_state_bytes", "build_optimizer", "param_groups"]

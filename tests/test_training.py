@@ -1,0 +1,249 @@
+"""Training: parameter groups, the row-sparse table optimizer, and Trainer on tiny STEM models (loss goes down, gradient
+accumulation equals a full batch, gradient checkpointing, bf16 autocast, resume from a checkpoint)."""
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import Trainer, TrainingArguments
+
+from stem_hf.training import RowSparseAdamW, StemTrainer, adam_state_bytes, build_optimizer, param_groups
+from tests.conftest import tiny_model
+
+
+def _stem(**overrides):
+    return tiny_model(table_dtype="float32", **overrides)
+
+
+def _dataset(n: int = 16, length: int = 12, seed: int = 0, ragged: bool = False) -> Dataset:
+    """Token rows where the next token is mostly predictable (a repeating pattern with a random start)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        start = int(torch.randint(3, 40, (1,), generator=g))
+        ids = [(start + 5 * k) % 90 + 3 for k in range(length)]
+        labels = list(ids)
+        if ragged:  # different numbers of label tokens per row: accumulation must weigh tokens, not rows
+            labels[: 1 + i % 7] = [-100] * (1 + i % 7)
+        rows.append({"input_ids": ids, "labels": labels})
+    return Dataset.from_list(rows)
+
+
+def _args(tmp_path, **overrides) -> TrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_steps=5,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return TrainingArguments(**{**defaults, **overrides})
+
+
+def test_param_groups_keep_tables_and_norms_out_of_weight_decay():
+    model = _stem()
+    model.model.layers[0].mlp.gate_proj.weight.requires_grad_(False)
+    groups = {g["name"]: g for g in param_groups(model, lr=1e-3, weight_decay=0.1, table_lr=1e-2)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    grouped = [names[id(p)] for g in groups.values() for p in g["params"]]
+    assert len(grouped) == len(set(grouped))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(grouped) == trainable and "model.layers.0.mlp.gate_proj.weight" not in grouped
+    tables = [names[id(p)] for p in groups["tables"]["params"]]
+    assert sorted(tables) == ["model.stem_tables.1.weight", "model.stem_tables.3.weight"]
+    assert groups["tables"]["lr"] == 1e-2 and groups["tables"]["weight_decay"] == 0.0
+    no_decay = [names[id(p)] for p in groups["no_decay"]["params"]]
+    assert no_decay and all("norm" in n or n.endswith("bias") for n in no_decay)
+    decay = [names[id(p)] for p in groups["decay"]["params"]]
+    assert "model.embed_tokens.weight" in decay and groups["decay"]["weight_decay"] == 0.1
+    assert all("stem_tables" not in n and "norm" not in n for n in decay)
+
+
+def test_dense_groups_match_torch_adamw():
+    torch.manual_seed(0)
+    ours, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref.load_state_dict(ours.state_dict())
+    opt = RowSparseAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        x = torch.randn(5, 8)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_row_sparse_tables_touch_only_batch_rows_and_keep_less_state():
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(1000, 16)
+    ref = copy.deepcopy(table)
+    opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True, "name": "tables"}], lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    batch = torch.tensor([3, 7, 7, 500])
+    before = table.weight.detach().clone()
+    for _ in range(3):  # the same rows every step: lazy Adam is Adam for them
+        for module, optimizer in ((table, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            module(batch).pow(2).sum().backward()
+            optimizer.step()
+    changed = (table.weight != before).any(dim=1).nonzero().squeeze(1)
+    assert changed.tolist() == [3, 7, 500]
+    torch.testing.assert_close(table.weight[changed], ref.weight[changed], rtol=1e-5, atol=1e-6)
+    state = opt.state[table.weight]
+    assert int(state["rows_seen"]) == 3
+    full_adam = 2 * table.weight.numel() * 4
+    assert opt.state_bytes()["tables"] < full_adam / 4  # 64 slots of 16 + the slot index, against 1000 rows
+
+
+def test_row_sparse_state_survives_a_checkpoint_and_grows_with_new_rows():
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(300, 8)
+    opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2)
+
+    def step(optimizer, module, ids):
+        optimizer.zero_grad()
+        module(torch.tensor(ids)).sum().backward()
+        optimizer.step()
+
+    step(opt, table, [1, 2])
+    saved_weights, saved_state = copy.deepcopy(table.state_dict()), copy.deepcopy(opt.state_dict())
+    rows = list(range(100, 200))  # more than the initial 64 slots
+    step(opt, table, rows)
+    assert int(opt.state[table.weight]["rows_seen"]) == 102
+
+    restored = torch.nn.Embedding(300, 8)
+    restored.load_state_dict(saved_weights)
+    restored_opt = RowSparseAdamW([{"params": restored.parameters(), "row_sparse": True}], lr=1e-2)
+    restored_opt.load_state_dict(saved_state)
+    assert restored_opt.state[restored.weight]["slot"].dtype == torch.long
+    step(restored_opt, restored, rows)
+    torch.testing.assert_close(restored.weight, table.weight, rtol=0, atol=0)
+
+
+def test_bad_optimizer_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="bad lr"):
+        RowSparseAdamW([torch.nn.Parameter(torch.zeros(2, 2))], lr=-1.0)
+    with pytest.raises(ValueError, match="2-D parameters only"):
+        RowSparseAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "row_sparse": True}])
+    sparse = torch.nn.Embedding(10, 4, sparse=True)
+    opt = RowSparseAdamW([{"params": sparse.parameters(), "row_sparse": True}])
+    sparse(torch.tensor([1])).sum().backward()
+    with pytest.raises(ValueError, match="dense gradients"):
+        opt.step()
+
+
+def test_state_bytes_of_the_options_at_the_paper_1b_shape():
+    from stem_hf import StemConfig, StemForCausalLM
+    from stem_hf.demo import PAPER_1B
+
+    with torch.device("meta"):
+        model = StemForCausalLM(StemConfig(**PAPER_1B, stem_layers="1/2", table_dtype="float32"))
+    sizes = adam_state_bytes(model, rows_seen=20_000)
+    tables = model.num_table_parameters()
+    assert sizes["adamw_all"] - sizes["adamw_dense_only"] == 8 * tables
+    per_table = 20_000 * (2 * 8192 + 1) * 4 + 128256 * 8  # two fp32 moments and a step per row seen, a slot index
+    assert sizes["row_sparse_tables"] == len(model.config.stem_layers) * per_table
+    assert sizes["row_sparse_total"] < sizes["adamw_all"] / 3
+
+
+def test_trainer_lowers_the_loss_with_the_stem_optimizer(tmp_path):
+    model = _stem()
+    trainer = StemTrainer(
+        model=model,
+        args=_args(tmp_path, max_steps=30),
+        train_dataset=_dataset(32),
+        table_lr=5e-2,
+    )
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+    assert isinstance(trainer.optimizer.optimizer, RowSparseAdamW) or isinstance(trainer.optimizer, RowSparseAdamW)
+    groups = {g["name"]: g for g in trainer.optimizer.param_groups}
+    assert groups["tables"]["weight_decay"] == 0.0
+
+
+def _one_sgd_step(tmp_path, batch: int, accumulation: int, **extra):
+    torch.manual_seed(0)
+    model = _stem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    args = _args(
+        tmp_path,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        lr_scheduler_type="constant",
+        max_grad_norm=1e9,
+        **extra,
+    )
+    Trainer(model=model, args=args, train_dataset=_dataset(4, ragged=True), optimizers=(optimizer, None)).train()
+    return model
+
+
+def test_gradient_accumulation_gives_the_gradients_of_the_full_batch(tmp_path):
+    full = _one_sgd_step(tmp_path, batch=4, accumulation=1)
+    accumulated = _one_sgd_step(tmp_path, batch=2, accumulation=2)
+    start = _stem()
+    moved = 0
+    for (name, a), b, c in zip(full.named_parameters(), accumulated.parameters(), start.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+        moved += int(not torch.equal(a, c))
+    assert moved > 10  # the step changed the weights: the comparison is about real gradients
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    batch = _dataset(4)[:]
+    ids, labels = torch.tensor(batch["input_ids"]), torch.tensor(batch["labels"])
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = _stem().train()
+        if checkpointing:  # renamed in transformers 5.23
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+            assert model.model.layers[1].gradient_checkpointing
+        model(input_ids=ids, labels=labels).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_autocast_trains(tmp_path):
+    trainer = StemTrainer(model=_stem(), args=_args(tmp_path, bf16=True, max_steps=3), train_dataset=_dataset(12))
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
+    def run(output, resume=None, steps=4, save_steps=2):
+        torch.manual_seed(0)
+        args = _args(output, max_steps=steps, save_strategy="steps", save_steps=save_steps)
+        trainer = StemTrainer(model=_stem(), args=args, train_dataset=_dataset(32), table_lr=5e-2)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer.model
+
+    straight = run(tmp_path / "a")
+    run(tmp_path / "b", steps=4, save_steps=2)
+    resumed = run(tmp_path / "c", resume=str(tmp_path / "b" / "out" / "checkpoint-2"))
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_build_optimizer_plugs_into_a_plain_trainer(tmp_path):
+    model = _stem()
+    args = _args(tmp_path, max_steps=2, weight_decay=0.05)
+    optimizer = build_optimizer(model, args, table_lr=3e-2)
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(8), optimizers=(optimizer, None))
+    trainer.train()
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert groups["decay"]["weight_decay"] == 0.05 and groups["tables"]["row_sparse"]
+    assert int(optimizer.state[model.model.stem_tables["1"].weight]["rows_seen"]) > 0
