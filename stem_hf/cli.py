@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     evaluate.add_argument("--batch-size", type=int, default=1)
     evaluate.add_argument("--limit", type=float, help="examples per task (a fraction if below 1)")
     evaluate.add_argument("--num-fewshot", type=int)
-    evaluate.add_argument("--output", help="results JSON (default: CHECKPOINT/lm_eval_results.json for a folder)")
+    evaluate.add_argument(
+        "--output",
+        help="results JSON, merged task by task (default: CHECKPOINT/lm_eval_results.json for a folder, "
+        "./lm_eval_results.json for a Hub id)",
+    )
 
     card = commands.add_parser("card", help="write or refresh the model card (README.md) of a STEM checkpoint folder")
     card.add_argument("checkpoint")
@@ -104,7 +108,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     from .model_card import write_model_card
 
     local = os.path.isdir(args.checkpoint)
-    output = args.output or (os.path.join(args.checkpoint, RESULTS_FILE) if local else None)
+    output = args.output or (os.path.join(args.checkpoint, RESULTS_FILE) if local else RESULTS_FILE)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     model, tokenizer = load_for_eval(args.checkpoint, args.device, args.dtype, tables_on_cpu=not args.tables_on_device)
     results = evaluate(
@@ -119,9 +123,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     )
     for task, metrics in headline_metrics(results).items():
         print(f"{task:24s} " + "  ".join(f"{metric} {value:.4f}" for metric, value in metrics.items()))
-    if output:
-        print(f"results: {output}")
-    if local and output and os.path.samefile(os.path.dirname(os.path.abspath(output)), args.checkpoint):
+    print(f"results: {output}")
+    if local and os.path.samefile(os.path.dirname(os.path.abspath(output)), args.checkpoint):
         if getattr(model.config, "model_type", None) == "stem":
             write_model_card(args.checkpoint)  # the card quotes the results next to it
     return results

@@ -68,11 +68,12 @@ def evaluate(
     into that JSON file (a task evaluated again replaces its earlier entry) by an atomic write.
     """
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     if not tasks:
         raise ValueError("tasks: name at least one lm-eval task or group (e.g. stem_offline)")
+    if output is not None:  # fail before the evaluation, not after it
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
     if isinstance(model, (str, os.PathLike)):
         model, tokenizer = load_for_eval(model)
     elif tokenizer is None:
@@ -82,7 +83,7 @@ def evaluate(
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ValueError(f"tasks: lm-eval knows no task or group named {', '.join(map(repr, unknown))}")
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
+    lm = _lm_class()(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=list(tasks),
@@ -101,6 +102,31 @@ def evaluate(
     return results
 
 
+def _lm_class():
+    from lm_eval.models.huggingface import HFLM
+
+    class StemHFLM(HFLM):
+        """HFLM that encodes rolling-loglikelihood text without special tokens. lm-eval puts its own BOS prefix
+        before the first window; with a tokenizer that adds BOS itself (as converted STEM checkpoints do) stock HFLM
+        scores `[BOS, BOS, text]` (lm-evaluation-harness issue #3333), and a second BOS at position 1 is not what a
+        converted model's exact BOS row was fit for."""
+
+        _rolling = False
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            self._rolling = True
+            try:
+                return super().loglikelihood_rolling(requests, disable_tqdm)
+            finally:
+                self._rolling = False
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
+            special = False if self._rolling else add_special_tokens
+            return super().tok_encode(string, add_special_tokens=special, **kwargs)
+
+    return StemHFLM
+
+
 def _jsonable(value):
     return str(value) if not isinstance(value, torch.Tensor) else value.tolist()
 
@@ -110,7 +136,9 @@ def _merge_into(path: Path, results: dict) -> None:
     for key in MERGED_KEYS:
         if key in results:
             merged[key] = {**merged.get(key, {}), **results[key]}
-    merged["config"] = results.get("config", {})
+    # The run settings (limit, batch size...) differ between runs merged here: keep them per task.
+    for task in results.get("results", {}):
+        merged.setdefault("run_config", {})[task] = results.get("config", {})
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(merged, indent=2) + "\n")
     os.replace(tmp, path)

@@ -7,11 +7,12 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from .accounting import load_config
-from .model_card import write_model_card
+from .model_card import MARKER, write_model_card
 from .storage_stem import check_checkpoint_files
 
 # Hidden files (leftovers of an interrupted save, editor files) and temporary files never go up.
 IGNORE = [".*", "*.tmp"]
+WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json", "*.bin"]
 
 
 def push_checkpoint(
@@ -25,7 +26,8 @@ def push_checkpoint(
 ) -> str:
     """Checks the checkpoint in `folder` (every shard and table present and whole, shapes as the config says), refreshes
     a stem-hf model card with `repo_id` in its usage snippet, creates the repo if needed, and uploads the folder in one
-    commit. Returns the commit URL."""
+    commit that also deletes weight files of an earlier push that the folder no longer has. A card on the Hub that a
+    person wrote is kept. Returns the commit URL."""
     folder = Path(folder)
     config = load_config(str(folder))
     check_checkpoint_files(str(folder), config.vocab_size, config.intermediate_size, config.stem_layers)
@@ -36,12 +38,19 @@ def push_checkpoint(
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
+    ignore = list(IGNORE)
+    if api.file_exists(repo_id, "README.md", revision=revision):
+        card = Path(api.hf_hub_download(repo_id, "README.md", revision=revision)).read_text(encoding="utf-8")
+        if MARKER not in card:  # a person wrote or edited the card on the Hub: keep it, as push_to_hub does
+            ignore.append("README.md")
     commit = api.upload_folder(
         repo_id=repo_id,
         folder_path=folder,
         revision=revision,
         commit_message=commit_message or f"Upload STEM checkpoint {folder.resolve().name}",
-        ignore_patterns=IGNORE,
+        ignore_patterns=ignore,
+        # Weight files of an earlier push that this checkpoint no longer has (fewer shards) would be orphans.
+        delete_patterns=WEIGHT_FILES,
     )
     return commit.commit_url
 

@@ -11,6 +11,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 import dataclasses
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 
@@ -42,6 +43,8 @@ from .storage_stem import (
 
 logger = logging.get_logger(__name__)
 
+# Files beside the weights that the model card renders (stem_hf.model_card's REPORT_FILE and RESULTS_FILE).
+_PROVENANCE_FILES = ("conversion_report.json", "lm_eval_results.json")
 # What `from_pretrained` passes on to read a config from the Hub.
 _CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
@@ -521,15 +524,17 @@ class StemPreTrainedModel(PreTrainedModel):
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
             self.push_to_hub(repo_id, max_shard_size=max_shard_size, token=kwargs.get("token"), **hub_kwargs)
 
-    def _write_model_card(self, folder: str | os.PathLike, repo_id: str | None = None) -> None:
+    def _write_model_card(
+        self, folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None
+    ) -> None:
         """Writes or refreshes `README.md` when stem_hf is installed; never replaces a card a person wrote. A card that
         cannot be rendered (say, a corrupt `conversion_report.json`) is a warning: the weights are saved by then."""
         if self._model_card_writer is None:
             return
         try:
-            self._model_card_writer(folder, repo_id=repo_id, tags=self.model_tags)
-        except (OSError, ValueError) as err:
-            logger.warning(f"no model card written to {folder}: {err}")
+            self._model_card_writer(folder, repo_id=repo_id, tags=[*(self.model_tags or []), *(tags or [])])
+        except Exception as err:  # noqa: BLE001 - a card is never worth failing a save that already succeeded
+            logger.warning(f"no model card written to {folder}: {type(err).__name__}: {err}")
 
     def push_to_hub(
         self,
@@ -546,20 +551,39 @@ class StemPreTrainedModel(PreTrainedModel):
     ) -> str:
         """`PushToHubMixin.push_to_hub`, uploading what `save_pretrained` writes: config, copied code, dense and table
         shards, and the stem-hf model card (with `repo_id` in its usage snippet). A card on the Hub that a person wrote
-        is kept, its tags updated, as transformers does; a card stem-hf generated is refreshed. The tokenizer is pushed
-        on its own (`tokenizer.push_to_hub`), or with the whole folder by `stem-hf push`."""
+        is kept, its tags updated, as transformers does; a card stem-hf generated is refreshed. `tags` go to the card
+        only. The tokenizer is pushed on its own (`tokenizer.push_to_hub`), or with the whole folder by `stem-hf push`.
+        """
         from transformers.utils.hub import create_and_tag_model_card, hf_api  # only pushes need them
 
         api = hf_api()
         repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-        if tags:
-            self.add_model_tags(tags)
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as root:
+            tmp = os.path.join(root, "upload")
+
+            def fetch(name: str) -> None:  # hf_hub_download leaves a .cache folder in local_dir: not in the upload
+                path = api.hf_hub_download(repo_id, name, revision=revision, token=token, local_dir=root)
+                shutil.copy(path, os.path.join(tmp, name))
+
             self.save_pretrained(tmp, max_shard_size=max_shard_size)
-            on_hub = api.file_exists(repo_id, "README.md", revision=revision, token=token)
-            if on_hub or self._model_card_writer is None:
-                create_and_tag_model_card(repo_id, self.model_tags, token=token).save(os.path.join(tmp, "README.md"))
-            self._write_model_card(tmp, repo_id)
+            # The card also describes how the model was made and evaluated: take those files from the folder the model
+            # was loaded from, else keep the repo's, so that a refreshed card never says less than the one it replaces.
+            on_hub = {
+                name: api.file_exists(repo_id, name, revision=revision, token=token)
+                for name in ("README.md", *_PROVENANCE_FILES)
+            }
+            for name in _PROVENANCE_FILES:
+                local = os.path.join(self.name_or_path or "", name)
+                if self.name_or_path and os.path.isfile(local):
+                    shutil.copy(local, os.path.join(tmp, name))
+                elif on_hub[name]:
+                    fetch(name)
+            all_tags = [*(self.model_tags or []), *(tags or [])]
+            if on_hub["README.md"] and revision is not None:
+                fetch("README.md")
+            elif on_hub["README.md"] or self._model_card_writer is None:
+                create_and_tag_model_card(repo_id, all_tags, token=token).save(os.path.join(tmp, "README.md"))
+            self._write_model_card(tmp, repo_id, tags)
             return self._upload_modified_files(
                 tmp,
                 repo_id,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stem_hf.cli import main
@@ -91,8 +92,27 @@ def test_stem_hf_eval_writes_results_next_to_the_weights_and_puts_them_in_the_ca
     assert results["n-samples"]["stem_facts"]["effective"] == 8
     card = (checkpoint / "README.md").read_text()
     accuracy = results["results"]["stem_facts"]["acc,none"]
-    assert f"| stem_facts | acc | {accuracy:.4f} |" in card
+    assert f"| stem_facts | acc | {accuracy:.4f} | 8 of 40 (limited) |" in card  # a partial run says so
+    assert results["run_config"]["stem_facts"]["limit"] == 8
     assert "stem_facts" in capsys.readouterr().out
+
+
+def test_rolling_loglikelihood_scores_text_after_one_bos_with_a_bos_adding_tokenizer(checkpoint):
+    from lm_eval.api.instance import Instance
+
+    from stem_hf.evaluation import _lm_class
+
+    model, _ = load_for_eval(checkpoint)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_bos_token = True  # as the tokenizer of a converted checkpoint
+    assert tokenizer("ab").input_ids[0] == tokenizer.bos_token_id
+    lm = _lm_class()(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=1)
+    text = "A short line of text."
+    (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False).input_ids]])
+    with torch.no_grad():
+        expected = model(ids).logits.log_softmax(-1)[0, :-1].gather(1, ids[0, 1:, None]).sum().item()
+    assert got == pytest.approx(expected, rel=1e-4)
 
 
 def test_a_dense_baseline_evaluates_through_the_same_path(tmp_path):

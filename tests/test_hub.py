@@ -1,6 +1,7 @@
 """push_to_hub and `stem-hf push` against a loopback fake Hub, and loading back by repo id in a fresh interpreter that
 cannot import stem_hf: every file a STEM checkpoint needs goes up, and the logits come back the same."""
 
+import json
 import os
 import subprocess
 import sys
@@ -78,20 +79,55 @@ def test_stem_hf_push_uploads_the_folder_and_a_package_free_load_gets_the_same_l
     assert _run(code, env, tmp_path).strip() == str(byte_tokenizer()("hi").input_ids)
 
 
-def test_model_push_to_hub_writes_the_card_and_keeps_one_a_person_wrote(hub, tmp_path):
+def test_stem_hf_push_again_removes_stale_shards_and_keeps_a_card_edited_on_the_hub(hub, saved, tmp_path):
     env, state = hub
+    model, folder = saved
+    model.save_pretrained(folder, max_shard_size="20KB")  # one file per table
+    push = f"from stem_hf.cli import main; main(['push', {str(folder)!r}, 'user/stem-tiny'])"
+    _run(push, env, tmp_path)
+    assert {"stem-tables-00001-of-00002.safetensors", "stem-tables-00002-of-00002.safetensors"} <= set(
+        state.repos["user/stem-tiny"]
+    )
+    model.save_pretrained(folder)  # one file for both tables
+    state.repos["user/stem-tiny"]["README.md"] = b"# Edited on the Hub\n"
+    _run(push, env, tmp_path)
+    files = state.repos["user/stem-tiny"]
+    tables = sorted(f for f in files if f.startswith("stem-tables-"))
+    assert tables == ["stem-tables-00001-of-00001.safetensors"]
+    assert files["README.md"] == b"# Edited on the Hub\n"
+
+
+def test_model_push_to_hub_uploads_a_loadable_model_with_its_card_and_provenance(hub, tmp_path):
+    env, state = hub
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "converted")
+    report = {"source": "/models/dense", "base_model": "org/dense", "heldout_perplexity_dense": 10.0}
+    (tmp_path / "converted" / "conversion_report.json").write_text(
+        json.dumps({**report, "heldout_perplexity_stem": 12.5, "init": "fitted"})
+    )
+    code = f"""
+        from stem_hf import StemForCausalLM
+        StemForCausalLM.from_pretrained({str(tmp_path / "converted")!r}).push_to_hub("user/pushed", tags=["my-run"])
+    """
+    _run(code, env, tmp_path)
+    files = state.repos["user/pushed"]
+    assert CHECKPOINT_FILES | {"conversion_report.json"} <= set(files)
+    card = ModelCard(files["README.md"].decode())
+    assert MARKER in card.content and "my-run" in card.data.tags and card.data.base_model == "org/dense"
+    assert 'from_pretrained("user/pushed", trust_remote_code=True)' in card.content
+    assert "| STEM (this model) | 12.50 | 1.25x |" in card.content
+
+    input_ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    remote = load_without_package("user/pushed", input_ids, max_new_tokens=1, hub_env=env)
+    with torch.no_grad():
+        torch.testing.assert_close(remote["logits"], model(input_ids).logits, rtol=0, atol=0)
+
     code = """
         import torch
         from tests.conftest import tiny_model
         torch.manual_seed(0)
         tiny_model().push_to_hub("user/pushed", tags=["my-run"])
     """
-    _run(code, env, tmp_path)
-    files = state.repos["user/pushed"]
-    assert CHECKPOINT_FILES <= set(files)
-    card = ModelCard(files["README.md"].decode())
-    assert MARKER in card.content and "my-run" in card.data.tags
-    assert 'from_pretrained("user/pushed", trust_remote_code=True)' in card.content
 
     files["README.md"] = b"---\nlicense: mit\n---\n# Written by hand\n"
     _run(code, env, tmp_path)

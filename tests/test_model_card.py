@@ -39,18 +39,18 @@ def converted(tmp_path_factory):
         license="apache-2.0",
     )
     assert tokenizer("the fox").input_ids[0] != SHAPE["bos_token_id"]  # the caller's tokenizer is left as it was
-    return model, report, out
+    return model, report, out, dense
 
 
 def test_the_saved_tokenizer_prepends_bos_as_calibration_did(converted):
-    model, report, out = converted
+    model, report, out, dense = converted
     assert report["bos_prepended"]
     assert AutoTokenizer.from_pretrained(out)("the fox").input_ids[0] == model.config.bos_token_id
     assert "The tokenizer starts every sequence with BOS" in (out / "README.md").read_text()
 
 
 def test_the_card_of_a_converted_model_states_its_figures(converted):
-    model, report, out = converted
+    model, report, out, dense = converted
     text = (out / "README.md").read_text()
     assert MARKER in text
     context = min(2048, model.config.max_position_embeddings)
@@ -58,7 +58,10 @@ def test_the_card_of_a_converted_model_states_its_figures(converted):
         f"{model.num_parameters():,}",
         f"{model.num_table_parameters():,}",
         f"{model.num_active_parameters():,}",
-        f"{model.num_dense_parameters():,}",
+        f"| total parameters | {model.num_parameters():,} ({model.num_parameters() / 1e6:.1f}M) | "
+        f"{dense.num_parameters():,} ({dense.num_parameters() / 1e6:.1f}M) |",  # the source, counted by transformers
+        f"All tables: {model.num_table_parameters():,} ({model.num_table_parameters() / 1e6:.1f}M) parameters, "
+        f"{model.num_table_parameters() * 4 / 1e6:.1f} MB in `float32`",
         f"{model.flops_per_token(context):,}",
         f"{model.flops_per_token(context, dense=True):,}",
         f"{model.flops_per_token(context) / model.flops_per_token(context, dense=True):.3f} of dense",
@@ -66,9 +69,10 @@ def test_the_card_of_a_converted_model_states_its_figures(converted):
         f"{report['calibration_tokens']:,} tokens of two test sentences",
         f"{report['vocab_coverage']:.1%} of the vocabulary",
         f"on {report['heal_tokens']:,} tokens",
-        f"| dense source | {report['heldout_perplexity_dense']:.2f} | 1.00x |",
+        f"| dense source, as loaded for the conversion | {report['heldout_perplexity_dense']:.2f} | 1.00x |",
         f"| STEM (this model) | {report['heldout_perplexity_stem']:.2f} | {report['perplexity_ratio']:.2f}x |",
-        "Converted from the dense **example-org/tiny-dense** (LlamaForCausalLM)",
+        "Converted from the dense **example-org/tiny-dense**\n(LlamaForCausalLM)",
+        "rows of unseen tokens are predicted from their embeddings",
         "`apache-2.0`",
         'from_pretrained("' + str(out) + '", trust_remote_code=True)',
     ]
@@ -81,7 +85,7 @@ def test_the_card_of_a_converted_model_states_its_figures(converted):
 
 
 def test_the_card_metadata_is_valid_hub_yaml(converted):
-    model, report, out = converted
+    model, report, out, dense = converted
     card = ModelCard.load(out / "README.md")
     data = card.data
     assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
