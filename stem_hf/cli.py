@@ -72,6 +72,25 @@ def main(argv: list[str] | None = None) -> None:
     push.add_argument("--revision", help="branch to push to (created if missing)")
     push.add_argument("--commit-message")
 
+    pretrain = commands.add_parser(
+        "pretrain", help="train a dense and a STEM model of matching active parameters from scratch, side by side"
+    )
+    pretrain.add_argument("corpus", nargs="+", help="text files")
+    pretrain.add_argument("--out", default="runs/pretrain")
+    pretrain.add_argument("--vocab-size", type=int, default=8192, help="of the BPE tokenizer trained on the corpus")
+    pretrain.add_argument("--hidden-size", type=int, default=128)
+    pretrain.add_argument("--intermediate-size", type=int, default=512, help="the dense model's")
+    pretrain.add_argument("--layers", type=int, default=6)
+    pretrain.add_argument("--heads", type=int, default=4)
+    pretrain.add_argument("--kv-heads", type=int, default=2)
+    pretrain.add_argument("--context", type=int, default=128)
+    pretrain.add_argument("--stem-layers", default="1/2")
+    pretrain.add_argument("--batch-size", type=int, default=16)
+    pretrain.add_argument("--steps", type=int, default=400)
+    pretrain.add_argument("--lr", type=float, default=3e-3)
+    pretrain.add_argument("--table-lr", type=float, help="default: --lr")
+    pretrain.add_argument("--eval-every", type=int, default=50)
+
     args = parser.parse_args(argv)
     if args.command == "info":
         from .accounting import load_config, summarize
@@ -96,6 +115,29 @@ def main(argv: list[str] | None = None) -> None:
 
         path = write_model_card(args.checkpoint, repo_id=args.repo_id, overwrite=args.force)
         print(f"wrote {path}" if path else f"kept the hand-written {args.checkpoint}/README.md (--force replaces it)")
+    elif args.command == "pretrain":
+        from .pretrain import PretrainSettings, pretrain
+
+        settings = PretrainSettings(
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            context=args.context,
+            stem_layers=args.stem_layers,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            lr=args.lr,
+            table_lr=args.table_lr,
+            eval_every=args.eval_every,
+        )
+        texts = [open(path, encoding="utf-8", errors="replace").read() for path in args.corpus]
+        result = pretrain(texts, args.out, settings)
+        summary = {k: v for k, v in result.items() if k != "runs"}
+        summary["final_valid_loss"] = {name: run["final_valid_loss"] for name, run in result["runs"].items()}
+        print(json.dumps(summary, indent=2))
     elif args.command == "push":
         from .hub import push_checkpoint
 

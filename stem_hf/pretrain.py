@@ -36,7 +36,7 @@ class PretrainSettings:
     batch_size: int = 16
     steps: int = 400
     lr: float = 3e-3
-    table_lr: float = 3e-2
+    table_lr: float | None = None  # the reference code trains tables at the backbone's learning rate
     warmup: float = 0.05
     eval_every: int = 50
     valid_fraction: float = 0.05
@@ -146,21 +146,23 @@ def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: Pret
         model=model, args=args, train_dataset=train, eval_dataset=valid, table_lr=settings.table_lr, callbacks=[clock]
     )
     trainer.train()
-    final = trainer.evaluate()["eval_loss"]
+    if settings.steps % settings.eval_every:  # the last periodic evaluation is not at the end
+        trainer.evaluate()
     history = trainer.state.log_history
     s = summarize(config, context_length=settings.context)
     tokens_per_step = settings.batch_size * settings.context
+    valid = [(h["step"] * tokens_per_step, h["eval_loss"]) for h in history if "eval_loss" in h]
     return {
         "intermediate_size": config.intermediate_size,
         "stem_layers": list(config.stem_layers),
         "total_params": s["total_params"],
         "active_params_per_token": s["active_params_per_token"],
         "flops_per_token": s["flops_per_token"],
-        "final_valid_loss": final,
+        "final_valid_loss": valid[-1][1],
         "train_seconds": clock.seconds,
         "tokens_per_second": settings.steps * tokens_per_step / clock.seconds,
         "train_loss": [(h["step"] * tokens_per_step, h["loss"]) for h in history if "loss" in h],
-        "valid_loss": [(h["step"] * tokens_per_step, h["eval_loss"]) for h in history if "eval_loss" in h],
+        "valid_loss": valid,
     }
 
 
