@@ -17,13 +17,13 @@ from stem_hf.pretrain import PretrainSettings, pretrain
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--out", default="runs/pretrain_compare")
     args = parser.parse_args()
     settings = PretrainSettings(
         vocab_size=4096,
-        hidden_size=128,
-        intermediate_size=384,
+        hidden_size=256,
+        intermediate_size=768,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,

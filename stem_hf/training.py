@@ -214,6 +214,28 @@ class StemTrainer(Trainer):
         return self.optimizer
 
 
+# Attention, and every dense FFN projection: STEM layers have gate and down only, the other layers up_proj too.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, token_ids: Iterable[int] | None = None, **kwargs):
+    """A `peft.LoraConfig` for a STEM model: LoRA on `LORA_TARGETS`, and with `token_ids`, those rows of every table
+    trained as deltas (PEFT's `trainable_token_indices`: the adapter stores only the rows, never a table copy).
+    Other `LoraConfig` arguments pass through."""
+    from peft import LoraConfig
+
+    config = model.config
+    if token_ids is not None:
+        ids = sorted({int(i) for i in token_ids})
+        bad = [i for i in ids if not 0 <= i < config.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids: {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+        if not config.stem_layers:
+            raise ValueError("token_ids: this model has no STEM layers, so no table rows to train")
+        kwargs["trainable_token_indices"] = {f"stem_tables.{layer}": ids for layer in config.stem_layers}
+    return LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM", **kwargs)
+
+
 def adam_state_bytes(model: nn.Module, rows_seen: int | None = None) -> dict[str, int]:
     """Optimizer-state bytes of the options for `model` (which may be on the meta device): AdamW on every parameter
     (two fp32 moments each), and RowSparseAdamW with `rows_seen` rows per table holding state (default: all)."""
@@ -233,4 +255,12 @@ def adam_state_bytes(model: nn.Module, rows_seen: int | None = None) -> dict[str
     }
 
 
-__all__ = ["RowSparseAdamW", "StemTrainer", "adam_state_bytes", "build_optimizer", "param_groups"]
+__all__ = [
+    "LORA_TARGETS",
+    "RowSparseAdamW",
+    "StemTrainer",
+    "adam_state_bytes",
+    "build_optimizer",
+    "lora_config",
+    "param_groups",
+]

@@ -1,0 +1,83 @@
+"""`accelerate launch --num_processes 2` on a CPU-only machine (gloo) with a tiny STEM model: DDP, and FSDP2 with the
+tables sharded like any parameter, give the losses and weights of one process on the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "dist_train.py")
+FSDP = [
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "StemDecoderLayer",
+    "--fsdp_state_dict_type",
+    "FULL_STATE_DICT",
+]
+
+
+def _run(out, per_device: int, optimizer: str, launch: list[str] | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, SCRIPT, str(out), str(per_device), optimizer]
+    if launch is not None:
+        # `--cpu` makes accelerate start a single process; without a GPU, the multi-process launchers run gloo on CPU.
+        accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2"]
+        command = [*accelerate, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *launch]
+        command += [SCRIPT, str(out), str(per_device), optimizer]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    with open(os.path.join(out, "result.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return {opt: _run(tmp_path_factory.mktemp(f"single-{opt}"), 4, opt) for opt in ("row_sparse", "plain")}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-4)
+    assert a["sums"].keys() == b["sums"].keys()
+    for name, value in a["sums"].items():
+        assert value == pytest.approx(b["sums"][name], rel=1e-4, abs=1e-4), name
+
+
+def test_ddp_two_processes_match_one_process_on_the_same_global_batch(single, tmp_path):
+    ddp = _run(tmp_path, 2, "row_sparse", launch=["--multi_gpu"])
+    assert ddp["world_size"] == 2 and "MULTI_CPU" in ddp["distributed_type"]
+    _same(ddp, single["row_sparse"])
+
+
+def test_fsdp2_on_cpu_shards_the_tables_like_any_parameter_and_matches_one_process(tmp_path):
+    script = os.path.join(ROOT, "tests", "fsdp2_train.py")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    results = []
+    for launcher in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]):
+        out = tmp_path / str(len(launcher))
+        out.mkdir()
+        run = subprocess.run([*launcher, script, str(out)], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+        results.append(json.loads((out / "result.json").read_text()))
+    single_run, fsdp = results
+    assert fsdp["world_size"] == 2 and fsdp["shard_rows"] == 48  # 96 table rows, half on each rank
+    _same(fsdp, single_run)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="accelerate turns FSDP on only for accelerator backends (AcceleratorState never sets FSDP for MULTI_CPU); "
+    "the CPU test above runs FSDP2 itself. Needs two GPUs",
+)
+def test_accelerate_fsdp_two_processes_shard_the_tables_and_match_one_process(single, tmp_path):
+    fsdp = _run(tmp_path, 2, "plain", launch=FSDP)
+    assert fsdp["world_size"] == 2 and "FSDP" in fsdp["distributed_type"]
+    assert "model.stem_tables.1.weight" in fsdp["sums"]
+    _same(fsdp, single["plain"])

@@ -1,0 +1,70 @@
+"""PEFT on STEM models: LoRA on attention and the dense FFN projections, table rows trained as deltas through
+`trainable_token_indices`; the adapter trains, saves, reloads and merges with identical outputs."""
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from safetensors import safe_open
+
+from stem_hf.training import lora_config
+from tests.conftest import tiny_model
+from tests.test_training import _dataset
+
+ROWS = [5, 9, 40]
+
+
+def _base():
+    torch.manual_seed(0)
+    return tiny_model(table_dtype="float32")
+
+
+def test_a_lora_adapter_trains_saves_reloads_and_merges(tmp_path):
+    model = get_peft_model(_base(), lora_config(_base(), r=4, token_ids=ROWS))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("q_proj.lora_A" in n for n in trainable) and any("down_proj.lora_B" in n for n in trainable)
+    assert any("stem_tables.1" in n for n in trainable)  # the row deltas...
+    assert not any(n.endswith("stem_tables.1.weight") for n in trainable)  # ...never the whole table
+    assert sum(p.numel() for n, p in model.named_parameters() if p.requires_grad) < 0.2 * model.num_parameters()
+
+    batch = _dataset(8)[:]
+    ids, labels = torch.tensor(batch["input_ids"]), torch.tensor(batch["labels"])
+    ids[:, 0], labels[:, 0] = ROWS[0], ROWS[0]  # a trained row is in every batch
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(30):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+
+    model.save_pretrained(tmp_path / "adapter")
+    saved = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= saved
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        table_tensors = {k: f.get_slice(k).get_shape() for k in f.keys() if "stem_tables" in k}
+    assert len(table_tensors) == 2 and all(shape[0] == len(ROWS) for shape in table_tensors.values())  # rows only
+    reloaded = PeftModel.from_pretrained(_base(), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=0, atol=0)
+
+    merged = reloaded.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, trained, rtol=1e-5, atol=1e-5)
+    base = _base()
+    changed = (merged.model.stem_tables["1"].weight != base.model.stem_tables["1"].weight).any(dim=1)
+    changed = changed.nonzero().squeeze(1).tolist()
+    assert ROWS[0] in changed and set(changed) <= set(ROWS)  # no row outside token_ids moves
+    assert type(merged.model.stem_tables["1"]).__name__ == "StemTable"
+
+
+def test_bad_lora_requests_are_clear_errors():
+    with pytest.raises(ValueError, match="token_ids: 500 is outside the vocabulary"):
+        lora_config(_base(), token_ids=[1, 500])
+    with pytest.raises(ValueError, match="no STEM layers"):
+        lora_config(tiny_model(stem_layers=[]), token_ids=[1])
