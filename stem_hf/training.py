@@ -79,6 +79,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["row_sparse"] and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("RowSparseAdamW: row_sparse groups hold 2-D parameters only (tables, embeddings)")
+            if any(type(p).__name__ == "DTensor" for p in group["params"]):
+                raise ValueError(
+                    "RowSparseAdamW does not take FSDP-sharded (DTensor) parameters: under FSDP use torch.optim.AdamW "
+                    "over param_groups(...) (StemTrainer does)"
+                )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -200,7 +205,8 @@ def build_optimizer(
 
 class StemTrainer(Trainer):
     """`Trainer` whose default optimizer is `build_optimizer`: tables undecayed, at `table_lr` (default: the learning
-    rate), row-sparse unless `row_sparse_tables=False`. Everything else is Trainer's."""
+    rate), row-sparse unless `row_sparse_tables=False`. Under FSDP (sharded DTensor parameters) it is torch's AdamW
+    over the same groups. Everything else is Trainer's."""
 
     def __init__(self, *args, table_lr: float | None = None, row_sparse_tables: bool = True, **kwargs):
         self.table_lr = table_lr
@@ -210,7 +216,13 @@ class StemTrainer(Trainer):
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             model = self.model if model is None else model
-            self.optimizer = build_optimizer(model, self.args, self.table_lr, self.row_sparse_tables)
+            if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+                # FSDP2 shards every parameter, tables included, along rows: the row-sparse bookkeeping does not apply.
+                groups = param_groups(model, self.args.learning_rate, self.args.weight_decay, self.table_lr)
+                betas = (self.args.adam_beta1, self.args.adam_beta2)
+                self.optimizer = torch.optim.AdamW(groups, betas=betas, eps=self.args.adam_epsilon)
+            else:
+                self.optimizer = build_optimizer(model, self.args, self.table_lr, self.row_sparse_tables)
         return self.optimizer
 
 

@@ -5,7 +5,7 @@ import json
 import sys
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from stem_hf.training import StemTrainer
 from tests.conftest import tiny_model
@@ -28,10 +28,8 @@ args = TrainingArguments(
     disable_tqdm=True,
 )
 data = _dataset(12, ragged=True)
-if optimizer == "row_sparse":
-    trainer = StemTrainer(model=model, args=args, train_dataset=data)
-else:  # FSDP shards every parameter, tables included, into flat or DTensor shards: plain AdamW
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+# Under FSDP, StemTrainer's optimizer is torch's AdamW over the same groups (tables are sharded DTensors).
+trainer = StemTrainer(model=model, args=args, train_dataset=data, row_sparse_tables=optimizer == "row_sparse")
 trainer.train()
 state = trainer.accelerator.get_state_dict(trainer.model)  # a collective under FSDP: every rank calls it
 if trainer.is_world_process_zero():
