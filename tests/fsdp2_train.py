@@ -1,5 +1,5 @@
-"""Three AdamW steps on a tiny STEM model with torch's FSDP2 (`fully_shard`, what `accelerate launch --use_fsdp
---fsdp_version 2` applies) on CPU with gloo, or in one process; run by tests/test_distributed.py.
+"""Three steps of StemTrainer's optimizer on a tiny STEM model with torch's FSDP2 (`fully_shard`, what `accelerate
+launch --use_fsdp --fsdp_version 2` applies) on CPU with gloo, or in one process; run by tests/test_distributed.py.
 Usage: torchrun --nproc_per_node 2 tests/fsdp2_train.py OUT   |   python tests/fsdp2_train.py OUT"""
 
 import json
@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from transformers import TrainingArguments
 
+from stem_hf.training import RowSparseAdamW, StemTrainer
 from tests.conftest import tiny_model
 from tests.test_training import _dataset
 
@@ -30,7 +32,11 @@ if distributed:
     table = model.model.stem_tables["1"].weight
     assert isinstance(table, DTensor), type(table)
     shard_rows = table.to_local().shape[0]
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+# StemTrainer's optimizer: torch's AdamW over the STEM groups once the tables are sharded DTensors; in one process,
+# RowSparseAdamW without row sparsity, the same math (tested against torch's AdamW in test_training.py).
+args = TrainingArguments(output_dir=out, learning_rate=1e-2, weight_decay=0.1, use_cpu=True, report_to=[])
+optimizer = StemTrainer(model=model, args=args, row_sparse_tables=False).create_optimizer()
+assert isinstance(optimizer, torch.optim.AdamW if distributed else RowSparseAdamW), type(optimizer)
 rows = _dataset(12)[:]
 ids, labels = torch.tensor(rows["input_ids"]), torch.tensor(rows["labels"])
 losses = []

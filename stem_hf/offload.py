@@ -1,0 +1,291 @@
+"""Offloaded STEM inference: tables stay in host memory, and each forward fetches only the rows its tokens need.
+
+- `StemHostTables`: every STEM layer's table in one token-major host tensor `[vocab, n_stem_layers, d_ff]`, so that
+  one token's rows for all layers are contiguous (one gather per token, not one per layer); pinned when CUDA is
+  available; optionally int8 with one fp32 scale per row (half the bytes of bf16).
+- `StemOffloadEngine`: per forward, deduplicates the batch's ids once, gathers the unique rows for all layers in one
+  multithreaded `index_select` into a pinned staging buffer (two, used in turn, so a gather never overwrites rows
+  still being copied), copies them to the accelerator on a side stream, and hands each STEM layer its rows. A
+  device-resident row cache (LFU, LRU among equals) keeps frequent tokens' rows so decode rarely fetches again.
+
+It plugs into the model as a forward hook on `model.model.stem_tables`, so `generate()` (greedy, sampling, batched,
+with the KV cache) and `device_map` loads work unchanged, and the model's code is untouched. Without an accelerator
+the same engine serves rows from host memory (no copy): the plain CPU gather path.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
+
+
+class StemHostTables:
+    """The token-major host store. `gather(ids)` returns `(rows, scales)`: `[n, layers, d_ff]` rows in the store dtype
+    and, for int8, `[n, layers]` fp32 scales (else None)."""
+
+    def __init__(self, tables: dict[int, torch.Tensor], dtype: torch.dtype | None = None, int8: bool = False):
+        if not tables:
+            raise ValueError("StemHostTables: the model has no STEM layers, so no tables to offload")
+        self.layers = sorted(tables)
+        shapes = {tuple(t.shape) for t in tables.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"StemHostTables: tables of different shapes {sorted(shapes)}")
+        (vocab, width), n = shapes.pop(), len(self.layers)
+        self.vocab_size, self.width, self.int8 = vocab, width, int8
+        pin = torch.cuda.is_available()
+        dtype = torch.int8 if int8 else (dtype or next(iter(tables.values())).dtype)
+        self.data = torch.empty((vocab, n, width), dtype=dtype, pin_memory=pin)
+        self.scales = torch.empty((vocab, n), dtype=torch.float32, pin_memory=pin) if int8 else None
+        for start in tqdm(range(0, vocab, BUILD_ROWS), desc="STEM host tables", unit="block", leave=False):
+            block = slice(start, min(start + BUILD_ROWS, vocab))
+            for i, layer in enumerate(self.layers):
+                rows = tables[layer].detach()[block].to("cpu")
+                if int8:
+                    rows = rows.float()
+                    scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+                    self.data[block, i] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+                    self.scales[block, i] = scale
+                else:
+                    self.data[block, i] = rows.to(dtype)
+        self.slot = {layer: i for i, layer in enumerate(self.layers)}
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (0 if self.scales is None else self.scales.numel() * 4)
+
+    def row_bytes(self) -> int:
+        """Bytes one token costs to fetch: its rows for every layer (and their scales)."""
+        return self.nbytes // self.vocab_size
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None, out_scales: torch.Tensor | None = None):
+        rows = torch.index_select(self.data, 0, ids, out=out)
+        scales = None if self.scales is None else torch.index_select(self.scales, 0, ids, out=out_scales)
+        return rows, scales
+
+
+class StemRowCache:
+    """Device-resident rows of up to `capacity` tokens, evicting the least frequently used (least recently used among
+    equals). Bookkeeping lives on the host; `lookup` and `insert` take and give host tensors of token ids and slots."""
+
+    def __init__(self, capacity: int, layers: int, width: int, dtype: torch.dtype, device, scales: bool):
+        self.capacity = capacity
+        self.rows = torch.empty((capacity, layers, width), dtype=dtype, device=device)
+        self.scales = torch.empty((capacity, layers), dtype=torch.float32, device=device) if scales else None
+        self.token = torch.full((capacity,), -1, dtype=torch.long)
+        self.uses = torch.zeros(capacity, dtype=torch.long)
+        self.last = torch.zeros(capacity, dtype=torch.long)
+        self.slot_of: dict[int, int] = {}
+        self.clock = 0
+        self.hits = self.misses = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id (-1 on a miss); counts hits and misses and marks hits used now."""
+        self.clock += 1
+        slots = torch.tensor([self.slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.long)
+        hit = slots >= 0
+        self.hits += int(hit.sum())
+        self.misses += int((~hit).sum())
+        self.uses[slots[hit]] += 1
+        self.last[slots[hit]] = self.clock
+        return slots
+
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None, keep: torch.Tensor) -> None:
+        """Caches `rows` of `ids` (device tensors), evicting by (uses, last use) but never the slots in `keep`."""
+        if self.capacity == 0 or len(ids) == 0:
+            return
+        empty = self.token < 0
+        order = torch.argsort(self.uses * (self.clock + 1) + self.last + empty.long() * -(2**62))
+        order = order[~torch.isin(order, keep)][: len(ids)]
+        ids, rows = ids[: len(order)], rows[: len(order)]
+        for token in self.token[order].tolist():
+            if token >= 0:
+                del self.slot_of[token]
+        self.slot_of.update(zip(ids.tolist(), order.tolist(), strict=True))
+        self.token[order], self.uses[order], self.last[order] = ids, 1, self.clock
+        device_order = order.to(self.rows.device)
+        self.rows[device_order] = rows
+        if self.scales is not None:
+            self.scales[device_order] = scales[: len(order)]
+
+
+class StemOffloadedRows:
+    """What the STEM layers index: the unique rows of one forward for every layer, on the compute device."""
+
+    def __init__(self, engine: "StemOffloadEngine", rows, scales, inverse: torch.Tensor, ready):
+        self.engine, self.rows, self.scales, self.inverse, self.ready = engine, rows, scales, inverse, ready
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        if self.ready is not None:  # the copy runs on a side stream: wait for it once, on first use
+            torch.cuda.current_stream().wait_event(self.ready)
+            self.ready = None
+        slot = self.engine.store.slot[layer_idx]
+        rows = self.rows[:, slot]
+        if self.scales is not None:
+            rows = rows.float() * self.scales[:, slot, None]
+        return rows[self.inverse]
+
+
+class StemOffloadEngine:
+    """Serves a STEM model's table rows from host memory. Use as a context manager or `attach()`/`detach()`:
+
+        with StemOffloadEngine(model, cache_tokens=4096):
+            model.generate(input_ids, max_new_tokens=64)
+
+    `device`: where rows go (default: the device of the model's embedding). `cache_tokens`: rows of that many tokens
+    kept on the device (0: none). `int8`: store tables as int8 with per-row scales. `dtype`: the store dtype
+    (default: the tables'). `free_tables`: once the store is built, drop the model's own tables (host memory is then
+    the store's only)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache_tokens: int = 0,
+        int8: bool = False,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        free_tables: bool = False,
+    ):
+        base = model.base_model
+        self.model, self.tables_module = model, base.stem_tables
+        self.device = torch.device(device) if device is not None else base.embed_tokens.weight.device
+        tables = {int(k): m.weight for k, m in self.tables_module.items()}
+        self.store = StemHostTables(tables, dtype=dtype, int8=int8)
+        self.cuda = self.device.type == "cuda"
+        n, width = len(self.store.layers), self.store.width
+        self.cache = (
+            StemRowCache(cache_tokens, n, width, self.store.data.dtype, self.device, int8) if cache_tokens else None
+        )
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._staging, self._turn, self._events = [None, None], 0, [None, None]
+        self.fetched_tokens = self.forwards = 0
+        self._hook = None
+        if free_tables:
+            for module in self.tables_module.values():
+                module.weight = nn.Parameter(torch.empty(0, width, dtype=module.weight.dtype), requires_grad=False)
+
+    def attach(self) -> "StemOffloadEngine":
+        if self._hook is None:
+            self._hook = self.tables_module.register_forward_hook(lambda _m, args, _out: self.rows(args[0]))
+        return self
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __enter__(self) -> "StemOffloadEngine":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    @property
+    def stats(self) -> dict:
+        return {
+            "forwards": self.forwards,
+            "fetched_tokens": self.fetched_tokens,
+            "fetched_bytes": self.fetched_tokens * self.store.row_bytes(),
+            "cache_hit_rate": self.cache.hit_rate if self.cache else None,
+            "host_bytes": self.store.nbytes,
+        }
+
+    def _stage(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pinned staging buffer for `n` tokens, alternating between two so that a gather never writes into rows
+        whose copy to the device may still be running."""
+        self._turn ^= 1
+        if self._events[self._turn] is not None:
+            self._events[self._turn].synchronize()
+        buffer = self._staging[self._turn]
+        if buffer is None or buffer[0].shape[0] < n:
+            shape = (max(n, 256), len(self.store.layers), self.store.width)
+            rows = torch.empty(shape, dtype=self.store.data.dtype, pin_memory=True)
+            scales = torch.empty(shape[:2], dtype=torch.float32, pin_memory=True) if self.store.int8 else None
+            buffer = self._staging[self._turn] = (rows, scales)
+        rows, scales = buffer
+        return rows[:n], None if scales is None else scales[:n]
+
+    def _fetch(self, ids: torch.Tensor):
+        """Rows (and scales) of host ids `ids` on the device, and the event that marks the copy done (CUDA only)."""
+        self.fetched_tokens += len(ids)
+        if not self.cuda:
+            rows, scales = self.store.gather(ids)
+            return rows.to(self.device), None if scales is None else scales.to(self.device), None
+        out_rows, out_scales = self._stage(len(ids))
+        rows, scales = self.store.gather(ids, out_rows, out_scales)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            rows = rows.to(self.device, non_blocking=True)
+            scales = None if scales is None else scales.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for tensor in (rows, scales):  # made on the side stream, read on the main one: keep it until that is done
+            if tensor is not None:
+                tensor.record_stream(main)
+        self._events[self._turn] = event
+        return rows, scales, event
+
+    @torch.no_grad()
+    def prefetch(self, ids: torch.Tensor) -> int:
+        """Brings the rows of `ids` (say, a whole prompt, known before any compute) into the cache, so that the
+        forwards that follow (prefill chunks, then decode) find them there. Returns how many tokens were fetched."""
+        if self.cache is None:
+            raise ValueError("prefetch: the engine has no row cache (cache_tokens=0) to prefetch into")
+        unique = torch.unique(ids.reshape(-1).cpu())[: self.cache.capacity]
+        missing = torch.tensor([i not in self.cache.slot_of for i in unique.tolist()], dtype=torch.bool)
+        if not missing.any():
+            return 0
+        rows, scales, ready = self._fetch(unique[missing])
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        keep = torch.tensor([self.cache.slot_of[i] for i in unique[~missing].tolist()], dtype=torch.long)
+        self.cache.insert(unique[missing], rows, scales, keep=keep)
+        return int(missing.sum())
+
+    @torch.no_grad()
+    def rows(self, stem_input_ids: torch.Tensor) -> StemOffloadedRows:
+        """The rows of one forward for every STEM layer (what the forward hook hands the layers)."""
+        self.forwards += 1
+        unique, inverse = torch.unique(stem_input_ids.reshape(-1).cpu(), return_inverse=True)
+        inverse = inverse.view(stem_input_ids.shape).to(self.device, non_blocking=True)
+        if self.cache is None:
+            rows, scales, ready = self._fetch(unique)
+            return StemOffloadedRows(self, rows, scales, inverse, ready)
+        slots = self.cache.lookup(unique)
+        miss = slots < 0
+        rows = torch.empty((len(unique), *self.store.data.shape[1:]), dtype=self.store.data.dtype, device=self.device)
+        scales = torch.empty(rows.shape[:2], dtype=torch.float32, device=self.device) if self.store.int8 else None
+        hit_positions = (~miss).nonzero().squeeze(1).to(self.device)
+        rows[hit_positions] = self.cache.rows[slots[~miss].to(self.device)]
+        if scales is not None:
+            scales[hit_positions] = self.cache.scales[slots[~miss].to(self.device)]
+        if miss.any():
+            fetched, fetched_scales, ready = self._fetch(unique[miss])
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            miss_positions = miss.nonzero().squeeze(1).to(self.device)
+            rows[miss_positions] = fetched
+            if scales is not None:
+                scales[miss_positions] = fetched_scales
+            self.cache.insert(unique[miss], fetched, fetched_scales, keep=slots[~miss])
+        return StemOffloadedRows(self, rows, scales, inverse, None)
+
+
+@contextmanager
+def offloaded(model: nn.Module, **kwargs) -> Iterator[StemOffloadEngine]:
+    """`with offloaded(model, cache_tokens=4096) as engine: model.generate(...)`."""
+    engine = StemOffloadEngine(model, **kwargs)
+    with engine:
+        yield engine
+
+
+__all__ = ["StemHostTables", "StemOffloadEngine", "StemOffloadedRows", "StemRowCache", "offloaded"]

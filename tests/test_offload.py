@@ -1,0 +1,138 @@
+"""The offload engine on CPU: the token-major store and its gather against a plain index, the row cache's hits,
+misses and evictions, and identical logits and generations with offloaded and resident tables."""
+
+import pytest
+import torch
+
+from stem_hf import StemForCausalLM
+from stem_hf.offload import StemHostTables, StemOffloadEngine, StemRowCache, offloaded
+from tests.conftest import tiny_model
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    model = tiny_model(**overrides)
+    with torch.no_grad():  # the paper's init is tiny: larger rows make the tables matter to the outputs
+        for table in model.model.stem_tables.values():
+            table.weight.normal_(0, 1.0)
+    return model
+
+
+def test_the_store_is_token_major_and_gathers_what_a_plain_index_gives():
+    model = _model(table_dtype="bfloat16")
+    tables = {int(k): m.weight for k, m in model.model.stem_tables.items()}
+    store = StemHostTables(tables)
+    assert store.data.shape == (96, 2, 64) and store.data.dtype == torch.bfloat16
+    assert store.data[7, 1].data_ptr() - store.data[7, 0].data_ptr() == 64 * 2  # a token's rows are contiguous
+    ids = torch.tensor([5, 0, 95, 5])
+    rows, scales = store.gather(ids)
+    assert scales is None
+    for layer, slot in store.slot.items():
+        torch.testing.assert_close(rows[:, slot], tables[layer][ids], rtol=0, atol=0)
+
+
+def test_int8_store_halves_the_bytes_and_stays_close():
+    model = _model(table_dtype="bfloat16")
+    tables = {int(k): m.weight for k, m in model.model.stem_tables.items()}
+    bf16, int8 = StemHostTables(tables), StemHostTables(tables, int8=True)
+    assert int8.data.dtype == torch.int8 and int8.nbytes < 0.55 * bf16.nbytes
+    ids = torch.arange(96)
+    rows, scales = int8.gather(ids)
+    for layer, slot in int8.slot.items():
+        exact = tables[layer].float()
+        approx = rows[:, slot].float() * scales[:, slot, None]
+        assert (approx - exact).abs().max() <= exact.abs().amax() / 127 * 0.51
+
+
+def test_the_cache_evicts_the_least_used_then_the_least_recent():
+    cache = StemRowCache(capacity=2, layers=1, width=1, dtype=torch.float32, device="cpu", scales=False)
+
+    def use(*ids):
+        ids = torch.tensor(ids)
+        slots = cache.lookup(ids)
+        miss = slots < 0
+        rows = ids[miss].float()[:, None, None]
+        cache.insert(ids[miss], rows, None, keep=slots[~miss])
+        return (~miss).tolist()
+
+    assert use(10) == [False] and use(11) == [False]
+    assert use(10) == [True]  # 10: two uses, 11: one
+    use(12)  # evicts 11, the least used
+    assert set(cache.slot_of) == {10, 12}
+    assert use(12) == [True]  # 10 and 12 both at two uses; 10 was used longer ago
+    use(13)
+    assert set(cache.slot_of) == {12, 13}
+    assert cache.rows[cache.slot_of[13], 0, 0] == 13.0
+    assert (cache.hits, cache.misses) == (2, 4) and cache.hit_rate == pytest.approx(2 / 6)
+
+
+def test_a_batch_larger_than_the_cache_is_served_and_keeps_its_hits():
+    model = _model(table_dtype="float32")
+    ids = torch.arange(3, 40).view(1, -1)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with offloaded(model, cache_tokens=8) as engine:
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+            assert len(engine.cache.slot_of) == 8 and engine.stats["fetched_tokens"] == 37
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+    assert engine.cache.hits == 8
+
+
+@pytest.mark.parametrize("cache_tokens", [0, 6, 200])
+def test_offloaded_and_resident_tables_give_identical_logits_and_generations(cache_tokens):
+    model = _model(table_dtype="bfloat16")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 96, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in a batch
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    greedy = model.generate(ids, do_sample=False, **kwargs)
+    torch.manual_seed(1)
+    sampled = model.generate(ids, do_sample=True, top_k=20, **kwargs)
+    with offloaded(model, cache_tokens=cache_tokens) as engine:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits, logits, rtol=0, atol=0)
+        assert torch.equal(model.generate(ids, do_sample=False, **kwargs), greedy)
+        torch.manual_seed(1)
+        assert torch.equal(model.generate(ids, do_sample=True, top_k=20, **kwargs), sampled)
+    assert engine.stats["forwards"] == 1 + 2 * 8  # one per prefill and per decode step
+    # With the KV cache, a decode step looks up its 3 new tokens only; the prefills fetch the prompt's distinct ids.
+    prompt = len(torch.unique(ids))
+    assert engine.stats["fetched_tokens"] <= 3 * prompt + 2 * 7 * 3
+    if cache_tokens == 200:  # the second generate and the logits pass find the prompt in the cache
+        assert engine.cache.hit_rate > 0.3 and engine.stats["fetched_tokens"] < prompt + 2 * 7 * 3
+    with torch.no_grad():  # detached: the model's own tables again
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, logits, rtol=0, atol=0)
+
+
+def test_a_device_map_load_and_freed_tables_serve_from_the_store(tmp_path):
+    model = _model(table_dtype="bfloat16")
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = StemForCausalLM.from_pretrained(tmp_path / "ckpt", device_map={"": "cpu"})
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(ids).logits
+        engine = StemOffloadEngine(loaded, cache_tokens=16, free_tables=True).attach()
+        assert loaded.model.stem_tables["1"].weight.numel() == 0
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+        assert engine.prefetch(torch.arange(3, 30)) > 0 and engine.prefetch(torch.arange(3, 10)) == 0
+
+
+def test_int8_offload_changes_logits_little():
+    model = _model(table_dtype="bfloat16")
+    ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        with offloaded(model, int8=True):
+            got = model(ids).logits
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert not torch.equal(got, expected)
+
+
+def test_a_model_without_stem_layers_has_nothing_to_offload():
+    with pytest.raises(ValueError, match="no STEM layers"):
+        StemOffloadEngine(tiny_model(stem_layers=[]))
+    with pytest.raises(ValueError, match="no row cache"):
+        StemOffloadEngine(_model()).prefetch(torch.tensor([1]))
