@@ -136,3 +136,16 @@ def test_a_model_without_stem_layers_has_nothing_to_offload():
         StemOffloadEngine(tiny_model(stem_layers=[]))
     with pytest.raises(ValueError, match="no row cache"):
         StemOffloadEngine(_model()).prefetch(torch.tensor([1]))
+
+
+def test_chunked_prefill_after_a_prompt_prefetch_reads_the_cache_only():
+    model = _model(table_dtype="bfloat16")
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    with offloaded(model, cache_tokens=64) as engine:
+        fetched = engine.prefetch(ids)  # the prompt's ids are known before any compute
+        assert fetched == len(torch.unique(ids)) and engine.stats["fetched_tokens"] == fetched
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, prefill_chunk_size=8)
+    assert torch.equal(out, expected)
+    assert engine.stats["forwards"] == 3 + 5  # three prefill chunks of at most 8 tokens, then decode
+    assert engine.cache.misses <= 5  # the chunks all hit; only generated tokens can miss
