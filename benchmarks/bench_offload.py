@@ -84,7 +84,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     tables = {int(k): m.weight for k, m in model.model.stem_tables.items()}
     heldout = corpora()["heldout"]
-    stream = chunk_texts(heldout, tokenizer, None, 100_000, 50_000)[0].tolist()
+    stream = torch.cat(chunk_texts(heldout, tokenizer, None, 4096, 50_000)).tolist()  # held-out text as one stream
 
     store = StemHostTables(tables)
     result = {"checkpoint": args.checkpoint, "host_table_bytes": store.nbytes, "row_bytes_per_token": store.row_bytes()}
