@@ -1,8 +1,9 @@
 """Offloaded STEM inference: tables stay in host memory, and each forward fetches only the rows its tokens need.
 
 - `StemHostTables`: every STEM layer's table in one token-major host tensor `[vocab, n_stem_layers, d_ff]`, so that
-  one token's rows for all layers are contiguous (one gather per token, not one per layer); pinned when CUDA is
-  available; optionally int8 with one fp32 scale per row (half the bytes of bf16).
+  one token's rows for all layers are contiguous (one gather per token, not one per layer); optionally int8 with one
+  fp32 scale per row (half the bytes of bf16). Only the staging buffers are pinned: pinning the whole store would lock
+  (and round up) host memory the size of every table.
 - `StemOffloadEngine`: per forward, deduplicates the batch's ids once, gathers the unique rows for all layers in one
   multithreaded `index_select` into a pinned staging buffer (two, used in turn, so a gather never overwrites rows
   still being copied), copies them to the accelerator on a side stream, and hands each STEM layer its rows. A
@@ -36,10 +37,10 @@ class StemHostTables:
             raise ValueError(f"StemHostTables: tables of different shapes {sorted(shapes)}")
         (vocab, width), n = shapes.pop(), len(self.layers)
         self.vocab_size, self.width, self.int8 = vocab, width, int8
-        pin = torch.cuda.is_available()
-        dtype = torch.int8 if int8 else (dtype or next(iter(tables.values())).dtype)
-        self.data = torch.empty((vocab, n, width), dtype=dtype, pin_memory=pin)
-        self.scales = torch.empty((vocab, n), dtype=torch.float32, pin_memory=pin) if int8 else None
+        self.table_dtype = dtype or next(iter(tables.values())).dtype  # what int8 rows are dequantized to
+        dtype = torch.int8 if int8 else self.table_dtype
+        self.data = torch.empty((vocab, n, width), dtype=dtype)
+        self.scales = torch.empty((vocab, n), dtype=torch.float32) if int8 else None
         for start in tqdm(range(0, vocab, BUILD_ROWS), desc="STEM host tables", unit="block", leave=False):
             block = slice(start, min(start + BUILD_ROWS, vocab))
             for i, layer in enumerate(self.layers):
@@ -69,18 +70,25 @@ class StemHostTables:
 
 class StemRowCache:
     """Device-resident rows of up to `capacity` tokens, evicting the least frequently used (least recently used among
-    equals). Bookkeeping lives on the host; `lookup` and `insert` take and give host tensors of token ids and slots."""
+    equals). Use counts never decay: this suits a vocabulary whose frequent tokens stay frequent (text); a workload
+    whose hot set moves would want aging. Bookkeeping lives on the host, in tensors: `slot_of[token]` (-1: absent),
+    and per slot its token, use count and last use."""
 
-    def __init__(self, capacity: int, layers: int, width: int, dtype: torch.dtype, device, scales: bool):
+    def __init__(
+        self, capacity: int, vocab_size: int, layers: int, width: int, dtype: torch.dtype, device, scales: bool
+    ):
         self.capacity = capacity
         self.rows = torch.empty((capacity, layers, width), dtype=dtype, device=device)
         self.scales = torch.empty((capacity, layers), dtype=torch.float32, device=device) if scales else None
         self.token = torch.full((capacity,), -1, dtype=torch.long)
         self.uses = torch.zeros(capacity, dtype=torch.long)
         self.last = torch.zeros(capacity, dtype=torch.long)
-        self.slot_of: dict[int, int] = {}
+        self.slot_of = torch.full((vocab_size,), -1, dtype=torch.long)
         self.clock = 0
         self.hits = self.misses = 0
+
+    def cached(self) -> set[int]:
+        return set(self.token[self.token >= 0].tolist())
 
     @property
     def hit_rate(self) -> float:
@@ -90,7 +98,7 @@ class StemRowCache:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id (-1 on a miss); counts hits and misses and marks hits used now."""
         self.clock += 1
-        slots = torch.tensor([self.slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.long)
+        slots = self.slot_of[ids]
         hit = slots >= 0
         self.hits += int(hit.sum())
         self.misses += int((~hit).sum())
@@ -106,10 +114,9 @@ class StemRowCache:
         order = torch.argsort(self.uses * (self.clock + 1) + self.last + empty.long() * -(2**62))
         order = order[~torch.isin(order, keep)][: len(ids)]
         ids, rows = ids[: len(order)], rows[: len(order)]
-        for token in self.token[order].tolist():
-            if token >= 0:
-                del self.slot_of[token]
-        self.slot_of.update(zip(ids.tolist(), order.tolist(), strict=True))
+        evicted = self.token[order]
+        self.slot_of[evicted[evicted >= 0]] = -1
+        self.slot_of[ids] = order
         self.token[order], self.uses[order], self.last[order] = ids, 1, self.clock
         device_order = order.to(self.rows.device)
         self.rows[device_order] = rows
@@ -125,12 +132,13 @@ class StemOffloadedRows:
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         if self.ready is not None:  # the copy runs on a side stream: wait for it once, on first use
-            torch.cuda.current_stream().wait_event(self.ready)
+            torch.cuda.current_stream(self.engine.device).wait_event(self.ready)
             self.ready = None
         slot = self.engine.store.slot[layer_idx]
         rows = self.rows[:, slot]
-        if self.scales is not None:
-            rows = rows.float() * self.scales[:, slot, None]
+        if self.scales is not None:  # dequantize the unique rows only, to the tables' dtype
+            dtype = self.engine.store.table_dtype
+            rows = rows.to(dtype) * self.scales[:, slot, None].to(dtype)
         return rows[self.inverse]
 
 
@@ -161,13 +169,13 @@ class StemOffloadEngine:
         self.store = StemHostTables(tables, dtype=dtype, int8=int8)
         self.cuda = self.device.type == "cuda"
         n, width = len(self.store.layers), self.store.width
-        self.cache = (
-            StemRowCache(cache_tokens, n, width, self.store.data.dtype, self.device, int8) if cache_tokens else None
-        )
+        dtype, vocab = self.store.data.dtype, self.store.vocab_size
+        self.cache = StemRowCache(cache_tokens, vocab, n, width, dtype, self.device, int8) if cache_tokens else None
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._staging, self._turn, self._events = [None, None], 0, [None, None]
         self.fetched_tokens = self.forwards = 0
         self._hook = None
+        self.freed = free_tables
         if free_tables:
             for module in self.tables_module.values():
                 module.weight = nn.Parameter(torch.empty(0, width, dtype=module.weight.dtype), requires_grad=False)
@@ -178,6 +186,15 @@ class StemOffloadEngine:
         return self
 
     def detach(self) -> None:
+        """Unhooks the engine. Tables freed by `free_tables=True` are rebuilt from the store first (exactly: an int8
+        store cannot rebuild them, and refuses), so the model runs and saves as before."""
+        if self.freed:
+            if self.store.int8:
+                raise ValueError("detach: the tables were freed and the store is int8: they cannot be rebuilt exactly")
+            for layer, slot in self.store.slot.items():
+                rows = self.store.data[:, slot].clone()
+                self.tables_module[str(layer)].weight = nn.Parameter(rows, requires_grad=False)
+            self.freed = False
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -221,7 +238,6 @@ class StemOffloadEngine:
             return rows.to(self.device), None if scales is None else scales.to(self.device), None
         out_rows, out_scales = self._stage(len(ids))
         rows, scales = self.store.gather(ids, out_rows, out_scales)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             rows = rows.to(self.device, non_blocking=True)
@@ -241,14 +257,14 @@ class StemOffloadEngine:
         if self.cache is None:
             raise ValueError("prefetch: the engine has no row cache (cache_tokens=0) to prefetch into")
         unique = torch.unique(ids.reshape(-1).cpu())[: self.cache.capacity]
-        missing = torch.tensor([i not in self.cache.slot_of for i in unique.tolist()], dtype=torch.bool)
+        slots = self.cache.slot_of[unique]
+        missing = slots < 0
         if not missing.any():
             return 0
         rows, scales, ready = self._fetch(unique[missing])
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        keep = torch.tensor([self.cache.slot_of[i] for i in unique[~missing].tolist()], dtype=torch.long)
-        self.cache.insert(unique[missing], rows, scales, keep=keep)
+        self.cache.insert(unique[missing], rows, scales, keep=slots[~missing])
         return int(missing.sum())
 
     @torch.no_grad()

@@ -13,9 +13,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
+from transformers.utils import logging
 
 from .storage_stem import TABLE_KEY
 
+logger = logging.get_logger(__name__)
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
 
 
@@ -58,9 +60,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with fp32 moments and fp32 update math for every parameter.
 
     In groups with `row_sparse=True` (2-D parameters: the tables), a row is updated only when its gradient is nonzero
-    (its token was in the batch), and its moments and bias correction advance only then. Moments are kept for rows
-    that have had a gradient, in slots allocated on first use (capacity doubles as needed), plus one int64 slot index
-    per table row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows.
+    (its token was in the batch), and its moments and bias correction advance only then: lazy Adam, with a step count
+    per row (torch's SparseAdam keeps one per parameter). Moments are kept for rows that have had a gradient, in slots
+    allocated on first use (capacity doubles as needed: up to 2x the rows seen), plus one int64 slot index per table
+    row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows.
     """
 
     def __init__(
@@ -97,6 +100,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
                     continue
                 if param.grad.is_sparse:
                     raise ValueError("RowSparseAdamW takes dense gradients: build tables without sparse=True")
+                if type(param).__name__ == "DTensor":  # sharded after this optimizer was built
+                    raise ValueError("RowSparseAdamW does not take FSDP-sharded (DTensor) parameters: use AdamW")
                 if group["row_sparse"]:
                     self._row_step(param, group)
                 else:
@@ -216,8 +221,11 @@ class StemTrainer(Trainer):
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             model = self.model if model is None else model
-            if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-                # FSDP2 shards every parameter, tables included, along rows: the row-sparse bookkeeping does not apply.
+            if self.args.optim not in ("adamw_torch", "adamw_torch_fused"):
+                logger.warning(f"StemTrainer builds its own AdamW: optim={self.args.optim!r} is ignored")
+            # Trainer may build the optimizer before FSDP2 shards the model, so ask Trainer, not the parameters.
+            if self.is_fsdp_enabled or any(type(p).__name__ == "DTensor" for p in model.parameters()):
+                # FSDP shards every parameter, tables included, along rows: the row-sparse bookkeeping does not apply.
                 groups = param_groups(model, self.args.learning_rate, self.args.weight_decay, self.table_lr)
                 betas = (self.args.adam_beta1, self.args.adam_beta2)
                 self.optimizer = torch.optim.AdamW(groups, betas=betas, eps=self.args.adam_epsilon)

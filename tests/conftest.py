@@ -42,6 +42,12 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+def position_weighted(t: torch.Tensor) -> list[float]:
+    """A checksum that a swapped row or a misplaced shard changes, not only a changed value; and its scale."""
+    weighted = t.double().flatten() * torch.arange(1, t.numel() + 1)
+    return [weighted.sum().item(), weighted.abs().sum().item()]
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 from transformers import TrainingArguments
 
 from stem_hf.training import StemTrainer
-from tests.conftest import tiny_model
+from tests.conftest import position_weighted, tiny_model
 from tests.test_training import _dataset
 
 out, per_device, optimizer = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -36,7 +36,7 @@ if trainer.is_world_process_zero():
     result = {
         "world_size": trainer.args.world_size,
         "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-        "sums": {name: tensor.double().sum().item() for name, tensor in state.items()},
+        "sums": {k: position_weighted(t) for k, t in state.items()},
         "distributed_type": str(trainer.accelerator.distributed_type),
     }
     with open(f"{out}/result.json", "w") as f:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainingArguments
 
 from stem_hf.training import RowSparseAdamW, StemTrainer
-from tests.conftest import tiny_model
+from tests.conftest import position_weighted, tiny_model
 from tests.test_training import _dataset
 
 out = sys.argv[1]
@@ -58,7 +58,7 @@ if rank == 0:
         "world_size": world,
         "shard_rows": shard_rows,
         "losses": losses,
-        "sums": {k: v.double().sum().item() for k, v in state.items()},
+        "sums": {k: position_weighted(v) for k, v in state.items()},
     }
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)

@@ -45,7 +45,7 @@ def test_int8_store_halves_the_bytes_and_stays_close():
 
 
 def test_the_cache_evicts_the_least_used_then_the_least_recent():
-    cache = StemRowCache(capacity=2, layers=1, width=1, dtype=torch.float32, device="cpu", scales=False)
+    cache = StemRowCache(capacity=2, vocab_size=20, layers=1, width=1, dtype=torch.float32, device="cpu", scales=False)
 
     def use(*ids):
         ids = torch.tensor(ids)
@@ -58,10 +58,10 @@ def test_the_cache_evicts_the_least_used_then_the_least_recent():
     assert use(10) == [False] and use(11) == [False]
     assert use(10) == [True]  # 10: two uses, 11: one
     use(12)  # evicts 11, the least used
-    assert set(cache.slot_of) == {10, 12}
+    assert cache.cached() == {10, 12} and cache.slot_of[11] == -1
     assert use(12) == [True]  # 10 and 12 both at two uses; 10 was used longer ago
     use(13)
-    assert set(cache.slot_of) == {12, 13}
+    assert cache.cached() == {12, 13}
     assert cache.rows[cache.slot_of[13], 0, 0] == 13.0
     assert (cache.hits, cache.misses) == (2, 4) and cache.hit_rate == pytest.approx(2 / 6)
 
@@ -73,7 +73,7 @@ def test_a_batch_larger_than_the_cache_is_served_and_keeps_its_hits():
         expected = model(ids).logits
         with offloaded(model, cache_tokens=8) as engine:
             torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
-            assert len(engine.cache.slot_of) == 8 and engine.stats["fetched_tokens"] == 37
+            assert len(engine.cache.cached()) == 8 and engine.stats["fetched_tokens"] == 37
             torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
     assert engine.cache.hits == 8
 
@@ -118,17 +118,31 @@ def test_a_device_map_load_and_freed_tables_serve_from_the_store(tmp_path):
         assert loaded.model.stem_tables["1"].weight.numel() == 0
         torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
         assert engine.prefetch(torch.arange(3, 30)) > 0 and engine.prefetch(torch.arange(3, 10)) == 0
+        engine.detach()  # rebuilds the freed tables from the store: the model runs and saves as before
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+    loaded.save_pretrained(tmp_path / "again")
+    reloaded = StemForCausalLM.from_pretrained(tmp_path / "again")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=0)
+    int8 = StemOffloadEngine(model, int8=True, free_tables=True)
+    with pytest.raises(ValueError, match="cannot be rebuilt exactly"):
+        int8.detach()
 
 
-def test_int8_offload_changes_logits_little():
+def test_int8_offload_changes_logits_little_with_or_without_a_cache():
     model = _model(table_dtype="bfloat16")
     ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(ids).logits
         with offloaded(model, int8=True):
             got = model(ids).logits
+        with offloaded(model, int8=True, cache_tokens=10) as engine:
+            cached = [model(ids).logits for _ in range(2)]  # the second pass reads rows and scales from the cache
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
     assert not torch.equal(got, expected)
+    assert engine.cache.hits > 0
+    for logits in cached:
+        torch.testing.assert_close(logits, got, rtol=0, atol=0)
 
 
 def test_a_model_without_stem_layers_has_nothing_to_offload():

@@ -31,8 +31,10 @@ def test_active_parameters_match_and_the_split_is_disjoint():
     a, b = summarize(dense)["active_params_per_token"], summarize(stem)["active_params_per_token"]
     assert stem.stem_layers == [1, 3] and stem.intermediate_size > dense.intermediate_size
     assert abs(a - b) / a < 0.01
-    train, valid = split_corpus(["x" * 40_000], 0.1, seed=0, piece=1000)
-    assert len(valid) == 4 and len(train) == 36
+    text = "".join(f"{i:04d}" * 250 for i in range(40))  # 40 distinct 1000-character pieces
+    train, valid = split_corpus([text], 0.1, seed=0, piece=1000)
+    assert len(valid) == 4 and len(train) == 36 and not set(valid) & set(train)
+    assert sorted(train + valid) == sorted(text[i : i + 1000] for i in range(0, 40_000, 1000))
     with pytest.raises(ValueError, match="too little text"):
         split_corpus(["short"], 0.1, seed=0)
 

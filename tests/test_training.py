@@ -2,6 +2,7 @@
 accumulation equals a full batch, gradient checkpointing, bf16 autocast, resume from a checkpoint)."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -128,6 +129,29 @@ def test_row_sparse_state_survives_a_checkpoint_and_grows_with_new_rows():
     assert restored_opt.state[restored.weight]["slot"].dtype == torch.long
     step(restored_opt, restored, rows)
     torch.testing.assert_close(restored.weight, table.weight, rtol=0, atol=0)
+
+
+def test_bf16_table_state_keeps_fp32_moments_through_torch_save():
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(50, 8).to(torch.bfloat16)
+    linear = torch.nn.Linear(8, 2).to(torch.bfloat16)
+    groups = [{"params": table.parameters(), "row_sparse": True}, {"params": linear.parameters()}]
+    opt = RowSparseAdamW(groups, lr=1e-2)
+    linear(table(torch.tensor([3, 4]))).float().sum().backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = RowSparseAdamW(
+        [{"params": table.parameters(), "row_sparse": True}, {"params": linear.parameters()}], lr=1e-2
+    )
+    fresh.load_state_dict(torch.load(buffer))
+    for param in (table.weight, linear.weight):
+        for key, value in opt.state[param].items():
+            loaded = fresh.state[param][key]
+            assert loaded.dtype == value.dtype and torch.equal(loaded, value), key
+    assert fresh.state[table.weight]["exp_avg"].dtype == torch.float32  # torch alone would cast it to bf16
+    assert fresh.state[table.weight]["slot"].dtype == torch.long
 
 
 def test_bad_optimizer_settings_are_clear_errors():

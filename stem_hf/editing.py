@@ -1,0 +1,177 @@
+"""Knowledge editing by table rows: wherever the source's tokens occur in the input, the STEM lookups use the target's
+rows while the text stays as it is. No weight changes and no extra compute, unless the edit is persisted.
+
+Length mismatches between source (n tokens) and target (m tokens):
+- `pad`: the target's tokens in order, repeated cyclically when m < n, cut to n when m > n;
+- `subset`: n target tokens chosen evenly across the target (its first and last kept when n >= 2);
+- `mean`: every source position gets the mean of the target's rows (a row override, not an id swap).
+
+Apply per call (`stem_input_ids` from `edited_ids`), as a reversible context manager (`StemEditor`, a forward hook on
+the model's tables), or persisted into the tables (`persist_edit`, then `save_pretrained`).
+"""
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+STRATEGIES = ("pad", "subset", "mean")
+
+
+@dataclass(frozen=True)
+class StemEdit:
+    """Token ids of one edit: `source` is looked for in the input, `target` supplies the rows."""
+
+    source: tuple[int, ...]
+    target: tuple[int, ...]
+    strategy: str = "pad"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if not self.source or not self.target:
+            raise ValueError(f"edit: the {'source' if not self.source else 'target'} holds no tokens")
+
+    @classmethod
+    def from_text(cls, tokenizer, source: str, target: str, strategy: str = "pad") -> "StemEdit":
+        """Tokenizes both without special tokens. A leading space is part of a word's token in most BPE vocabularies:
+        pass " Paris", as it appears mid-sentence, not "Paris"."""
+        for name, text in (("source", source), ("target", target)):
+            if not text.strip():
+                raise ValueError(f"edit: the {name} string {text!r} is empty")
+        encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        return cls(encode(source), encode(target), strategy)
+
+    def mapped_target(self) -> tuple[int, ...]:
+        """The target token each source position looks up (`pad` and `subset`)."""
+        n, m = len(self.source), len(self.target)
+        if self.strategy == "pad":
+            return tuple(self.target[i % m] for i in range(n))
+        if self.strategy == "subset":
+            if n == 1:
+                return (self.target[0],)
+            return tuple(self.target[round(i * (m - 1) / (n - 1))] for i in range(n))
+        raise ValueError("mapped_target: the mean strategy maps rows, not tokens")
+
+
+def find_occurrences(ids: torch.Tensor, pattern: Sequence[int]) -> list[tuple[int, int]]:
+    """`(row, start)` of every occurrence of `pattern` in the 2-D `ids`, overlapping ones included."""
+    n = len(pattern)
+    if ids.shape[1] < n:
+        return []
+    windows = ids.unfold(1, n, 1)  # [batch, positions, n]
+    hits = (windows == torch.tensor(pattern, device=ids.device)).all(dim=-1).nonzero().tolist()
+    return [(row, start) for row, start in hits]
+
+
+def edited_ids(input_ids: torch.Tensor, edits: Sequence[StemEdit], require: bool = True) -> torch.Tensor:
+    """`stem_input_ids` for `pad` and `subset` edits: `input_ids` with each source occurrence's lookups pointed at the
+    target's tokens. Raises if an edit's source never occurs (unless `require=False`)."""
+    out = input_ids.clone()
+    for edit in edits:
+        mapped = torch.tensor(edit.mapped_target(), device=input_ids.device)
+        found = find_occurrences(input_ids, edit.source)
+        if require and not found:
+            raise ValueError(f"edit: the source tokens {list(edit.source)} do not occur in the input")
+        for row, start in found:
+            out[row, start : start + len(edit.source)] = mapped
+    return out
+
+
+class _EditedRows:
+    """The rows a STEM layer sees under an edit: those of the edited ids, with `mean` positions overridden."""
+
+    def __init__(self, base, tables: nn.ModuleDict, overrides: list[tuple[torch.Tensor, torch.Tensor, tuple]]):
+        self.base, self.tables, self.overrides = base, tables, overrides
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        rows = self.base[layer_idx]
+        if not self.overrides:
+            return rows
+        rows = rows.clone()
+        weight = self.tables[str(layer_idx)].weight
+        for batch_rows, positions, target in self.overrides:
+            mean = weight[list(target)].float().mean(dim=0).to(device=rows.device, dtype=rows.dtype)
+            rows[batch_rows, positions] = mean
+        return rows
+
+
+class StemEditor:
+    """Applies edits to every forward while active (`with StemEditor(model, edits): model.generate(...)`), then leaves
+    the model exactly as it was. Occurrences are found within each forward's ids: during `generate`, a source in the
+    prompt is edited; a multi-token source that appears only across decode steps is not."""
+
+    def __init__(self, model: nn.Module, edits: Sequence[StemEdit], require: bool = True):
+        if not model.config.stem_layers:
+            raise ValueError("edit: this model has no STEM layers, so no table rows to edit")
+        vocab = model.config.vocab_size
+        for edit in edits:
+            bad = [i for i in (*edit.source, *edit.target) if not 0 <= i < vocab]
+            if bad:
+                raise ValueError(f"edit: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.model, self.edits, self.require = model, list(edits), require
+        self.tables = model.base_model.stem_tables
+        self._hook = None
+        self._pre_hook = None
+        self._calls = 0
+
+    def _rows(self, module, args, output):
+        (stem_input_ids,) = args
+        overrides = []
+        for edit in self.edits:
+            if edit.strategy != "mean":
+                continue
+            found = find_occurrences(self._original, edit.source)
+            if found:
+                batch_rows = torch.tensor([r for r, s in found for _ in edit.source])
+                positions = torch.tensor([s + k for _, s in found for k in range(len(edit.source))])
+                overrides.append((batch_rows, positions, edit.target))
+        return _EditedRows(output, self.tables, overrides)
+
+    def _ids(self, module, args):
+        (stem_input_ids,) = args
+        self._original = stem_input_ids
+        self._calls += 1
+        ids_edits = [e for e in self.edits if e.strategy != "mean"]
+        if self.require and self._calls == 1:  # the first forward (the prompt) must hold every source
+            missing = [e for e in self.edits if not find_occurrences(stem_input_ids, e.source)]
+            if missing:
+                raise ValueError(f"edit: the source tokens {list(missing[0].source)} do not occur in the input")
+        return (edited_ids(stem_input_ids, ids_edits, require=False),)
+
+    def __enter__(self) -> "StemEditor":
+        self._calls = 0
+        self._pre_hook = self.tables.register_forward_pre_hook(self._ids)
+        self._hook = self.tables.register_forward_hook(self._rows)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pre_hook.remove()
+        self._hook.remove()
+
+
+@torch.no_grad()
+def persist_edit(model: nn.Module, edit: StemEdit) -> None:
+    """Writes the edit into the tables: each source token's row becomes its target row (`pad`, `subset`) or the mean
+    of the target's rows (`mean`), in every STEM layer, for every context the token appears in. Save with
+    `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file."""
+    StemEditor(model, [edit])  # validates ids and layers
+    for table in model.base_model.stem_tables.values():
+        weight = table.weight
+        if edit.strategy == "mean":
+            rows = weight[list(edit.target)].float().mean(dim=0, keepdim=True).expand(len(edit.source), -1)
+        else:
+            rows = weight[list(edit.mapped_target())].float()
+        weight[list(edit.source)] = rows.to(weight.dtype).clone()
+
+
+@contextmanager
+def edited(model: nn.Module, tokenizer, source: str, target: str, strategy: str = "pad") -> Iterator[StemEditor]:
+    """`with edited(model, tokenizer, " France", " Germany"): ...`: one text edit as a reversible context."""
+    with StemEditor(model, [StemEdit.from_text(tokenizer, source, target, strategy)]) as editor:
+        yield editor
+
+
+__all__ = ["STRATEGIES", "StemEdit", "StemEditor", "edited", "edited_ids", "find_occurrences", "persist_edit"]
