@@ -91,6 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     pretrain.add_argument("--table-lr", type=float, help="default: --lr")
     pretrain.add_argument("--eval-every", type=int, default=50)
 
+    edit = commands.add_parser("edit", help="answer a prompt before and after a knowledge edit by table rows")
+    edit.add_argument("checkpoint")
+    edit.add_argument("--source", required=True, help='text whose lookups change, e.g. " France"')
+    edit.add_argument("--target", required=True, help='text whose rows they take, e.g. " Germany"')
+    edit.add_argument("--prompt", required=True)
+    edit.add_argument("--strategy", default="pad", choices=["pad", "subset", "mean"])
+    edit.add_argument("-n", "--max-new-tokens", type=int, default=16)
+
     args = parser.parse_args(argv)
     if args.command == "info":
         from .accounting import load_config, summarize
@@ -138,11 +146,44 @@ def main(argv: list[str] | None = None) -> None:
         summary = {k: v for k, v in result.items() if k != "runs"}
         summary["final_valid_loss"] = {name: run["final_valid_loss"] for name, run in result["runs"].items()}
         print(json.dumps(summary, indent=2))
+    elif args.command == "edit":
+        run_edit(args)
     elif args.command == "push":
         from .hub import push_checkpoint
 
         kwargs = {"private": args.private or None, "revision": args.revision, "commit_message": args.commit_message}
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
+
+
+def run_edit(args: argparse.Namespace) -> tuple[str, str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .editing import StemEdit, StemEditor, find_occurrences
+
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, trust_remote_code=True)
+    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    edit = StemEdit.from_text(tokenizer, args.source, args.target, args.strategy)
+    if not find_occurrences(ids, edit.source) and not args.source.startswith(" "):
+        # Mid-sentence words carry their leading space in most BPE vocabularies.
+        spaced = StemEdit.from_text(tokenizer, " " + args.source, " " + args.target.lstrip(), args.strategy)
+        edit = spaced if find_occurrences(ids, spaced.source) else edit
+
+    def answer() -> str:
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False
+        )
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+    before = answer()
+    with StemEditor(model, [edit]):
+        after = answer()
+    print(
+        f"prompt: {args.prompt!r}\nedit: {args.source!r} -> {args.target!r} (tokens {list(edit.source)} -> "
+        f"{list(edit.target)})\nbefore: {before!r}\nafter ({args.strategy}): {after!r}"
+    )
+    return before, after
 
 
 def run_eval(args: argparse.Namespace) -> dict:

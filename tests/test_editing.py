@@ -1,0 +1,141 @@
+"""Knowledge editing by table rows: the strategies' ids and rows, reversible edits, persisted edits through save and
+reload, and clear errors."""
+
+import pytest
+import torch
+
+from stem_hf import StemForCausalLM
+from stem_hf.cli import main
+from stem_hf.editing import StemEdit, StemEditor, edited, edited_ids, find_occurrences, persist_edit
+from tests.conftest import byte_tokenizer, tiny_model
+from tests.test_offload import _model
+
+IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 9], [1, 5, 6, 3, 3, 3, 3]])
+
+
+def test_occurrences_are_found_in_every_row():
+    assert find_occurrences(IDS, [5, 6]) == [(0, 0), (0, 4), (1, 1)]
+    assert find_occurrences(IDS, [6, 5]) == []
+    assert find_occurrences(IDS[:, :1], [5, 6]) == []
+
+
+@pytest.mark.parametrize(
+    ("target", "strategy", "expected"),
+    [
+        ((20, 21), "pad", (20, 21)),  # equal lengths: position by position, every strategy
+        ((20, 21), "subset", (20, 21)),
+        ((20,), "pad", (20, 20)),  # shorter target: repeated
+        ((20,), "subset", (20, 20)),
+        ((20, 21, 22), "pad", (20, 21)),  # longer target: cut
+        ((20, 21, 22), "subset", (20, 22)),  # longer target: first and last
+    ],
+)
+def test_pad_and_subset_point_each_source_position_at_a_target_token(target, strategy, expected):
+    edit = StemEdit((5, 6), target, strategy)
+    assert edit.mapped_target() == expected
+    out = edited_ids(IDS, [edit])
+    assert out[0, :2].tolist() == list(expected) and out[0, 4:6].tolist() == list(expected)
+    assert out[1, 1:3].tolist() == list(expected)
+    untouched = torch.ones_like(IDS, dtype=torch.bool)
+    untouched[0, :2] = untouched[0, 4:6] = untouched[1, 1:3] = False
+    assert torch.equal(out[untouched], IDS[untouched])
+
+
+def test_subset_of_a_long_target_spreads_over_it():
+    assert StemEdit((1, 2, 3), (10, 11, 12, 13, 14), "subset").mapped_target() == (10, 12, 14)
+
+
+@pytest.mark.parametrize("target", [(20,), (20, 21, 22)])
+def test_mean_gives_every_source_position_the_mean_target_row(target):
+    model = _model(table_dtype="float32")
+    captured = {}
+    layer = model.model.layers[1].mlp
+    hook = layer.register_forward_pre_hook(lambda m, args: captured.update(rows=args[1]))
+    with torch.no_grad(), StemEditor(model, [StemEdit((5, 6), target, "mean")]):
+        model(IDS)
+    hook.remove()
+    table = model.model.stem_tables["1"].weight
+    mean = table[list(target)].mean(dim=0)
+    rows = captured["rows"]
+    for r, c in [(0, 0), (0, 1), (0, 4), (0, 5), (1, 1), (1, 2)]:
+        torch.testing.assert_close(rows[r, c], mean)
+    torch.testing.assert_close(rows[0, 2], table[7])  # elsewhere: the text's own rows
+
+
+def test_an_edit_changes_logits_and_leaving_it_restores_them_exactly():
+    model = _model(table_dtype="float32")
+    with torch.no_grad():
+        before = model(IDS).logits
+        with StemEditor(model, [StemEdit((5, 6), (30, 31), "pad")]):
+            during = model(IDS).logits
+            via_ids = model(IDS, stem_input_ids=edited_ids(IDS, [StemEdit((5, 6), (30, 31))])).logits
+        after = model(IDS).logits
+    assert not torch.allclose(during, before)
+    torch.testing.assert_close(during, via_ids, rtol=0, atol=0)  # the hook is the per-call path
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    torch.testing.assert_close(during[1, 0], before[1, 0], rtol=0, atol=0)  # before the source: unchanged
+
+
+def test_an_edit_works_inside_generate():
+    model = _model(table_dtype="float32")
+    prompt = IDS[:1]
+    plain = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    with StemEditor(model, [StemEdit((5, 6), (40, 41), "pad")]):
+        changed = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    by_ids = model.generate(prompt, stem_input_ids=edited_ids(prompt, [StemEdit((5, 6), (40, 41))]), max_new_tokens=5)
+    assert torch.equal(changed, by_ids) and not torch.equal(changed, plain)
+
+
+def test_a_persisted_edit_survives_save_and_reload(tmp_path):
+    model = _model(table_dtype="bfloat16")
+    edit = StemEdit((5,), (30, 31), "mean")
+    with torch.no_grad():
+        expected_row = model.model.stem_tables["3"].weight[[30, 31]].float().mean(0).to(torch.bfloat16)
+        persist_edit(model, edit)
+        edited_logits = model(IDS).logits
+    torch.testing.assert_close(model.model.stem_tables["3"].weight[5], expected_row, rtol=0, atol=0)
+    model.save_pretrained(tmp_path / "edited")
+    reloaded = StemForCausalLM.from_pretrained(tmp_path / "edited")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(IDS).logits, edited_logits, rtol=0, atol=0)
+
+
+def test_a_persisted_edit_on_a_memory_mapped_model_never_alters_its_file(tmp_path):
+    _model(table_dtype="bfloat16").save_pretrained(tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "stem-tables-00001-of-00001.safetensors"
+    before = shard.read_bytes()
+    loaded = StemForCausalLM.from_pretrained(tmp_path / "ckpt")
+    persist_edit(loaded, StemEdit((5, 6), (7, 8)))
+    assert shard.read_bytes() == before
+
+
+def test_bad_edits_are_clear_errors():
+    tokenizer = byte_tokenizer()
+    with pytest.raises(ValueError, match="source string '' is empty"):
+        StemEdit.from_text(tokenizer, "", "x")
+    with pytest.raises(ValueError, match="target string ' ' is empty"):
+        StemEdit.from_text(tokenizer, "x", " ")
+    with pytest.raises(ValueError, match="strategy: 'swap'"):
+        StemEdit((1,), (2,), "swap")
+    with pytest.raises(ValueError, match=r"source tokens \[50, 51\] do not occur in the input"):
+        edited_ids(IDS, [StemEdit((50, 51), (2,))])
+    model = _model()
+    with pytest.raises(ValueError, match=r"source tokens \[50, 51\] do not occur in the input"):
+        with StemEditor(model, [StemEdit((50, 51), (2,))]):
+            model(IDS)
+    with pytest.raises(ValueError, match="token id 500 is outside the vocabulary"):
+        StemEditor(model, [StemEdit((5,), (500,))])
+    with pytest.raises(ValueError, match="no STEM layers"):
+        StemEditor(tiny_model(stem_layers=[]), [StemEdit((5,), (6,))])
+
+
+def test_text_edits_and_the_cli_print_answers_before_and_after(tmp_path, capsys):
+    model = _model(vocab_size=259, max_position_embeddings=128)
+    tokenizer = byte_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    with edited(model, tokenizer, "cat", "dog") as editor:
+        assert editor.edits[0].source == tuple(tokenizer("cat", add_special_tokens=False).input_ids)
+    main(["edit", str(tmp_path / "m"), "--source", "cat", "--target", "dog", "--prompt", "the cat sat", "-n", "4"])
+    out = capsys.readouterr().out
+    assert "before:" in out and "after (pad):" in out
