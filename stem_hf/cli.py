@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     edit.add_argument("--strategy", default="pad", choices=["pad", "subset", "mean"])
     edit.add_argument("-n", "--max-new-tokens", type=int, default=16)
 
+    analyze = commands.add_parser("analyze", help="angular spread of table rows, activated parameters vs context")
+    analyze.add_argument("checkpoint")
+    analyze.add_argument("--dense", help="the dense source (folder, Hub id or .gguf), for the reference spread")
+    analyze.add_argument("--text", nargs="*", help="text files (default: the bundled held-out corpus)")
+    analyze.add_argument("--out", default="runs/analysis")
+
     args = parser.parse_args(argv)
     if args.command == "info":
         from .accounting import load_config, summarize
@@ -148,11 +154,42 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(summary, indent=2))
     elif args.command == "edit":
         run_edit(args)
+    elif args.command == "analyze":
+        run_analyze(args)
     elif args.command == "push":
         from .hub import push_checkpoint
 
         kwargs = {"private": args.private or None, "revision": args.revision, "commit_message": args.commit_message}
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
+
+
+def run_analyze(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .analysis import run_analysis
+
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, trust_remote_code=True)
+    if args.text:
+        texts = [open(path, encoding="utf-8", errors="replace").read() for path in args.text]
+    else:
+        from conversion.assets import corpora
+
+        texts = corpora()["heldout"]
+    dense = None
+    if args.dense:
+        from conversion.sources import load_source
+
+        dense = load_source(args.dense)[0].eval()
+    result = run_analysis(model, tokenizer, texts, args.out, dense)
+    summary = {
+        "p95_abs_cos_tables": {k: v["p95_abs_cos"] for k, v in result["table_spread"].items()},
+        "p95_abs_cos_dense_up": {k: v["p95_abs_cos"] for k, v in (result.get("dense_up_spread") or {}).items()},
+        "activated_table_params": {k: v["activated_table_params"] for k, v in result["activated"].items()},
+        "out": args.out,
+    }
+    print(json.dumps(summary, indent=2))
+    return result
 
 
 def run_edit(args: argparse.Namespace) -> tuple[str, str]:

@@ -139,3 +139,18 @@ def test_text_edits_and_the_cli_print_answers_before_and_after(tmp_path, capsys)
     main(["edit", str(tmp_path / "m"), "--source", "cat", "--target", "dog", "--prompt", "the cat sat", "-n", "4"])
     out = capsys.readouterr().out
     assert "before:" in out and "after (pad):" in out
+
+
+def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():
+    from stem_hf.edit_eval import CAPITALS, evaluate_edits
+
+    assert len(CAPITALS) >= 30 and len({s for s, _ in CAPITALS}) == len(CAPITALS)
+    model = _model(vocab_size=259, max_position_embeddings=128)
+    before = {k: t.weight.detach().clone() for k, t in model.model.stem_tables.items()}
+    result = evaluate_edits(model, byte_tokenizer(), pairs=CAPITALS[:4], locality_prompts=2, new_tokens=2)
+    assert set(result["strategies"]) == {"pad", "subset", "mean"}
+    for stats in result["strategies"].values():
+        assert 0 <= stats["efficacy"] <= 1 and 0 <= stats["locality_persisted"] <= 1
+        assert stats["examples"][0]["edit"] == "France -> Germany"
+    for k, t in model.model.stem_tables.items():
+        assert torch.equal(t.weight, before[k])  # persisted edits were undone

@@ -1,0 +1,128 @@
+"""The knowledge-editing evaluation: does editing one country's lookups to another's switch the model's answer
+(efficacy), and leave other countries' answers alone (locality)? Pairs written for this project."""
+
+import torch
+from tqdm import tqdm
+
+from .editing import STRATEGIES, StemEdit, StemEditor, persist_edit
+
+# (subject, attribute): countries and their capitals.
+CAPITALS = [
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Japan", "Tokyo"),
+    ("China", "Beijing"),
+    ("Russia", "Moscow"),
+    ("Egypt", "Cairo"),
+    ("Greece", "Athens"),
+    ("Portugal", "Lisbon"),
+    ("Ireland", "Dublin"),
+    ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"),
+    ("Finland", "Helsinki"),
+    ("Denmark", "Copenhagen"),
+    ("Poland", "Warsaw"),
+    ("Austria", "Vienna"),
+    ("Hungary", "Budapest"),
+    ("Turkey", "Ankara"),
+    ("India", "New Delhi"),
+    ("Thailand", "Bangkok"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Argentina", "Buenos Aires"),
+    ("Chile", "Santiago"),
+    ("Cuba", "Havana"),
+    ("Canada", "Ottawa"),
+    ("Mexico", "Mexico City"),
+    ("Australia", "Canberra"),
+    ("Belgium", "Brussels"),
+    ("Netherlands", "Amsterdam"),
+    ("Switzerland", "Bern"),
+    ("Iran", "Tehran"),
+    ("Indonesia", "Jakarta"),
+]
+PROMPT = "The capital of {subject} is"
+
+
+def _answer(model, tokenizer, prompt: str, new_tokens: int) -> str:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def _says(answer: str, attribute: str) -> bool:
+    return answer.lower().startswith(attribute.lower())
+
+
+@torch.no_grad()
+def evaluate_edits(
+    model,
+    tokenizer,
+    pairs: list[tuple[str, str]] = CAPITALS,
+    strategies: tuple[str, ...] = STRATEGIES,
+    locality_prompts: int = 3,
+    new_tokens: int = 5,
+) -> dict:
+    """For each pair i, edits " subject_i" -> " subject_{i+1}" (the next pair, cyclically) in the prompt about
+    subject_i, with each strategy.
+
+    - efficacy: the share of edits after which the answer names attribute_{i+1};
+    - efficacy where known: the same, over edits whose target the unedited model answers right;
+    - locality: the share of `locality_prompts` other pairs' prompts (the edit active, its source absent) whose answer
+      stays what it was. A per-call edit leaves a prompt without its source unchanged by construction, so locality is
+      measured on the persisted edit, which rewrites the source tokens' rows for every context: other prompts change
+      only through tokens they share with the source.
+    """
+    base = {s: _answer(model, tokenizer, PROMPT.format(subject=s), new_tokens) for s, _ in tqdm(pairs, desc="baseline")}
+    known = {s: _says(base[s], a) for s, a in pairs}
+    result = {
+        "pairs": len(pairs),
+        "baseline_accuracy": sum(known.values()) / len(pairs),
+        "baseline_answers": base,
+        "strategies": {},
+    }
+    tables = model.base_model.stem_tables
+    for strategy in strategies:
+        hits, known_hits, known_total, kept, kept_total, examples = 0, 0, 0, 0, 0, []
+        for i, (subject, _) in enumerate(tqdm(pairs, desc=f"edits ({strategy})")):
+            target, target_attribute = pairs[(i + 1) % len(pairs)]
+            edit = StemEdit.from_text(tokenizer, " " + subject, " " + target, strategy)
+            with StemEditor(model, [edit]):
+                answer = _answer(model, tokenizer, PROMPT.format(subject=subject), new_tokens)
+            success = _says(answer, target_attribute)
+            hits += success
+            if known[target]:
+                known_hits, known_total = known_hits + success, known_total + 1
+            if len(examples) < 5:
+                examples.append(
+                    {
+                        "prompt": PROMPT.format(subject=subject),
+                        "edit": f"{subject} -> {target}",
+                        "before": base[subject],
+                        "after": answer,
+                    }
+                )
+            # Locality of the persisted form: rows of the source tokens rewritten, other prompts asked.
+            saved = {k: t.weight.detach().clone() for k, t in tables.items()}
+            try:
+                persist_edit(model, edit)
+                others = [pairs[(i + k) % len(pairs)][0] for k in range(2, 2 + locality_prompts)]
+                for other in others:
+                    kept += _answer(model, tokenizer, PROMPT.format(subject=other), new_tokens) == base[other]
+                    kept_total += 1
+            finally:
+                for k, t in tables.items():
+                    t.weight.data.copy_(saved[k])
+        result["strategies"][strategy] = {
+            "efficacy": hits / len(pairs),
+            "efficacy_where_target_known": known_hits / known_total if known_total else None,
+            "edits_with_known_target": known_total,
+            "locality_persisted": kept / kept_total if kept_total else None,
+            "examples": examples,
+        }
+    return result
+
+
+__all__ = ["CAPITALS", "PROMPT", "evaluate_edits"]
