@@ -52,6 +52,16 @@ def _answer(model, tokenizer, prompt: str, new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
+def _logprob(model, tokenizer, prompt: str, continuation: str) -> float:
+    """log P(continuation | prompt), summed over the continuation's tokens (encoded apart, so the prompt's tokens, where
+    an edit applies, are those of the prompt alone)."""
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt_ids + cont], device=model.device)
+    logprobs = model(ids).logits[0, len(prompt_ids) - 1 : -1].float().log_softmax(-1)
+    return logprobs.gather(1, torch.tensor(cont, device=model.device)[:, None]).sum().item()
+
+
 def _says(answer: str, attribute: str) -> bool:
     return answer.lower().startswith(attribute.lower())
 
@@ -70,6 +80,9 @@ def evaluate_edits(
 
     - efficacy: the share of edits after which the answer names attribute_{i+1};
     - efficacy where known: the same, over edits whose target the unedited model answers right;
+    - efficacy score: the share of edits after which the model gives the target's attribute a higher probability than
+      the subject's own (CounterFact's measure; it reads the model's preference even where its greedy answer names
+      neither), next to the same share before the edit, and the mean shift of that log-probability gap;
     - locality: the share of `locality_prompts` other pairs' prompts (the edit active, its source absent) whose answer
       stays what it was. A per-call edit leaves a prompt without its source unchanged by construction, so locality is
       measured on the persisted edit, which rewrites the source tokens' rows for every context: other prompts change
@@ -86,11 +99,23 @@ def evaluate_edits(
     tables = model.base_model.stem_tables
     for strategy in strategies:
         hits, known_hits, known_total, kept, kept_total, examples = 0, 0, 0, 0, 0, []
-        for i, (subject, _) in enumerate(tqdm(pairs, desc=f"edits ({strategy})")):
+        prefer_before = prefer_after = 0
+        shifts = []
+        for i, (subject, attribute) in enumerate(tqdm(pairs, desc=f"edits ({strategy})")):
             target, target_attribute = pairs[(i + 1) % len(pairs)]
             edit = StemEdit.from_text(tokenizer, " " + subject, " " + target, strategy)
+            prompt = PROMPT.format(subject=subject)
+            gap_before = _logprob(model, tokenizer, prompt, " " + target_attribute) - _logprob(
+                model, tokenizer, prompt, " " + attribute
+            )
             with StemEditor(model, [edit]):
-                answer = _answer(model, tokenizer, PROMPT.format(subject=subject), new_tokens)
+                answer = _answer(model, tokenizer, prompt, new_tokens)
+                gap_after = _logprob(model, tokenizer, prompt, " " + target_attribute) - _logprob(
+                    model, tokenizer, prompt, " " + attribute
+                )
+            prefer_before += gap_before > 0
+            prefer_after += gap_after > 0
+            shifts.append(gap_after - gap_before)
             success = _says(answer, target_attribute)
             hits += success
             if known[target]:
@@ -116,6 +141,9 @@ def evaluate_edits(
                 for k, t in tables.items():
                     t.weight.data.copy_(saved[k])
         result["strategies"][strategy] = {
+            "efficacy_score": prefer_after / len(pairs),
+            "efficacy_score_before_edit": prefer_before / len(pairs),
+            "mean_logprob_gap_shift": sum(shifts) / len(shifts),
             "efficacy": hits / len(pairs),
             "efficacy_where_target_known": known_hits / known_total if known_total else None,
             "edits_with_known_target": known_total,

@@ -151,6 +151,7 @@ def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():
     assert set(result["strategies"]) == {"pad", "subset", "mean"}
     for stats in result["strategies"].values():
         assert 0 <= stats["efficacy"] <= 1 and 0 <= stats["locality_persisted"] <= 1
+        assert 0 <= stats["efficacy_score"] <= 1 and isinstance(stats["mean_logprob_gap_shift"], float)
         assert stats["examples"][0]["edit"] == "France -> Germany"
     for k, t in model.model.stem_tables.items():
         assert torch.equal(t.weight, before[k])  # persisted edits were undone
