@@ -45,7 +45,7 @@ def test_subset_of_a_long_target_spreads_over_it():
     assert StemEdit((1, 2, 3), (10, 11, 12, 13, 14), "subset").mapped_target() == (10, 12, 14)
 
 
-@pytest.mark.parametrize("target", [(20,), (20, 21, 22)])
+@pytest.mark.parametrize("target", [(20,), (20, 21), (20, 21, 22)])
 def test_mean_gives_every_source_position_the_mean_target_row(target):
     model = _model(table_dtype="float32")
     captured = {}
