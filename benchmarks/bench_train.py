@@ -19,7 +19,7 @@ import torch
 
 from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.demo import PAPER_1B
-from stem_hf.training import RowSparseAdamW, adam_state_bytes, param_groups
+from stem_hf.training import RowSparseAdamW, adam_state_bytes, clip_grad_norm, param_groups, use_sparse_table_grads
 
 SHAPE = dict(
     vocab_size=32000,
@@ -32,7 +32,15 @@ SHAPE = dict(
     table_dtype="float32",
 )
 BATCH, LENGTH, WARMUP, STEPS = 8, 256, 2, 8
-RUNS = [("dense", "adamw"), ("1/2", "adamw"), ("1/2", "row_sparse"), ("full", "adamw"), ("full", "row_sparse")]
+RUNS = [
+    ("dense", "adamw"),
+    ("1/2", "adamw"),
+    ("1/2", "row_sparse"),
+    ("1/2", "row_sparse+sparse_grads"),
+    ("full", "adamw"),
+    ("full", "row_sparse"),
+    ("full", "row_sparse+sparse_grads"),
+]
 
 
 def worker(stem_layers: str, optimizer_name: str) -> dict:
@@ -42,6 +50,8 @@ def worker(stem_layers: str, optimizer_name: str) -> dict:
         optimizer = torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.1), lr=1e-3)
     else:
         optimizer = RowSparseAdamW(param_groups(model, lr=1e-3, weight_decay=0.1, row_sparse_tables=True))
+    if optimizer_name.endswith("sparse_grads"):
+        use_sparse_table_grads(model)
     # Token ids drawn from a Zipf-like law over the vocabulary, as text is: batches repeat frequent tokens.
     ranks = torch.arange(1, SHAPE["vocab_size"] + 1, dtype=torch.float64)
     weights = 1 / ranks
@@ -53,6 +63,7 @@ def worker(stem_layers: str, optimizer_name: str) -> dict:
         ids = batches[step % STEPS]
         start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
+        clip_grad_norm(model.parameters(), 1.0)  # as Trainer clips (this one also takes sparse gradients)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= WARMUP:

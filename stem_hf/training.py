@@ -98,8 +98,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if param.grad.is_sparse:
-                    raise ValueError("RowSparseAdamW takes dense gradients: build tables without sparse=True")
+                if param.grad.is_sparse and not group["row_sparse"]:
+                    raise ValueError("RowSparseAdamW: a sparse gradient in a group without row_sparse=True")
                 if type(param).__name__ == "DTensor":  # sharded after this optimizer was built
                     raise ValueError("RowSparseAdamW does not take FSDP-sharded (DTensor) parameters: use AdamW")
                 if group["row_sparse"]:
@@ -121,8 +121,12 @@ class RowSparseAdamW(torch.optim.Optimizer):
             param.copy_(weight)
 
     def _row_step(self, param: torch.Tensor, group: dict) -> None:
-        grad = param.grad
-        rows = grad.ne(0).any(dim=1).nonzero().squeeze(1)
+        if param.grad.is_sparse:  # `sparse_table_grads`: the batch's rows only, never a [vocab, d_ff] tensor
+            grad = param.grad.coalesce()
+            rows, values = grad.indices()[0], grad.values()
+        else:
+            rows = param.grad.ne(0).any(dim=1).nonzero().squeeze(1)
+            values = param.grad[rows]
         if rows.numel() == 0:
             return
         state = self.state[param]
@@ -141,7 +145,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         exp_avg, exp_avg_sq = state["exp_avg"][slots], state["exp_avg_sq"][slots]
         steps = state["steps"][slots] + 1
         weight = param[rows].to(STATE_DTYPE)
-        self._update(weight, grad[rows].to(STATE_DTYPE), exp_avg, exp_avg_sq, steps[:, None], group)
+        self._update(weight, values.to(STATE_DTYPE), exp_avg, exp_avg_sq, steps[:, None], group)
         param[rows] = weight.to(param.dtype)
         state["exp_avg"][slots], state["exp_avg_sq"][slots], state["steps"][slots] = exp_avg, exp_avg_sq, steps
 
@@ -196,6 +200,35 @@ class RowSparseAdamW(torch.optim.Optimizer):
         return total
 
 
+def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
+    """Makes every table's gradient sparse: the batch's rows only, instead of a dense `[vocab, d_ff]` tensor that
+    backward fills and the optimizer reads however few rows the batch touched. Needs an optimizer and clipping that
+    take sparse gradients: `RowSparseAdamW` row-sparse groups and `clip_grad_norm` (`StemTrainer` uses both)."""
+    for table in model.base_model.stem_tables.values():
+        table.sparse = enable
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (2-norm over all gradients) that also takes sparse gradients, which torch's
+    refuses. Returns the total norm before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    squares = []
+    for grad in grads:
+        values = grad.coalesce().values() if grad.is_sparse else grad
+        squares.append(torch.linalg.vector_norm(values.float()).square().to(grads[0].device))
+    total = torch.stack(squares).sum().sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        if grad.is_sparse:
+            grad.mul_(scale.to(grad.device))
+        else:
+            grad.mul_(scale.to(device=grad.device, dtype=grad.dtype))
+    return total
+
+
 def build_optimizer(
     model: nn.Module,
     args: TrainingArguments,
@@ -211,12 +244,33 @@ def build_optimizer(
 class StemTrainer(Trainer):
     """`Trainer` whose default optimizer is `build_optimizer`: tables undecayed, at `table_lr` (default: the learning
     rate), row-sparse unless `row_sparse_tables=False`. Under FSDP (sharded DTensor parameters) it is torch's AdamW
-    over the same groups. Everything else is Trainer's."""
+    over the same groups. `sparse_table_grads=True` makes table gradients sparse (`use_sparse_table_grads`) and clips
+    with `clip_grad_norm`; tested on one process, not with DDP or FSDP. Everything else is Trainer's."""
 
-    def __init__(self, *args, table_lr: float | None = None, row_sparse_tables: bool = True, **kwargs):
+    def __init__(
+        self,
+        *args,
+        table_lr: float | None = None,
+        row_sparse_tables: bool = True,
+        sparse_table_grads: bool = False,
+        **kwargs,
+    ):
         self.table_lr = table_lr
-        self.row_sparse_tables = row_sparse_tables
+        self.row_sparse_tables = row_sparse_tables or sparse_table_grads  # sparse gradients need the row groups
+        self.sparse_table_grads = sparse_table_grads
         super().__init__(*args, **kwargs)
+        if sparse_table_grads:
+            use_sparse_table_grads(self.model)
+
+    def _clip_grad_norm(self, model):
+        if not self.sparse_table_grads:
+            return super()._clip_grad_norm(model)
+        return clip_grad_norm(model.parameters(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self.sparse_table_grads:
+            grad_norm = clip_grad_norm(model.parameters(), float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -281,6 +335,8 @@ __all__ = [
     "StemTrainer",
     "adam_state_bytes",
     "build_optimizer",
+    "clip_grad_norm",
     "lora_config",
     "param_groups",
+    "use_sparse_table_grads",
 ]
