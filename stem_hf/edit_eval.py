@@ -130,7 +130,8 @@ def evaluate_edits(
                     }
                 )
             # Locality of the persisted form: rows of the source tokens rewritten, other prompts asked.
-            saved = {k: t.weight.detach().clone() for k, t in tables.items()}
+            rows = list(edit.source)
+            saved = {k: t.weight.detach()[rows].clone() for k, t in tables.items()}  # only what persist_edit writes
             try:
                 persist_edit(model, edit)
                 others = [pairs[(i + k) % len(pairs)][0] for k in range(2, 2 + locality_prompts)]
@@ -139,7 +140,7 @@ def evaluate_edits(
                     kept_total += 1
             finally:
                 for k, t in tables.items():
-                    t.weight.data.copy_(saved[k])
+                    t.weight.data[rows] = saved[k]
         result["strategies"][strategy] = {
             "efficacy_score": prefer_after / len(pairs),
             "efficacy_score_before_edit": prefer_before / len(pairs),

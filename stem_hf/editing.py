@@ -101,7 +101,10 @@ class _EditedRows:
 class StemEditor:
     """Applies edits to every forward while active (`with StemEditor(model, edits): model.generate(...)`), then leaves
     the model exactly as it was. Occurrences are found within each forward's ids: during `generate`, a source in the
-    prompt is edited; a multi-token source that appears only across decode steps is not."""
+    prompt is edited; a multi-token source that appears only across decode steps, or across prefill chunks
+    (`prefill_chunk_size`), is not. `require=True` checks that the first forward holds every source: pass
+    `require=False` with chunked prefill. Edits read the model's tables, so they do not combine with an attached
+    offload engine (which serves rows from its own store)."""
 
     def __init__(self, model: nn.Module, edits: Sequence[StemEdit], require: bool = True):
         if not model.config.stem_layers:

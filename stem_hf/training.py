@@ -123,7 +123,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     def _row_step(self, param: torch.Tensor, group: dict) -> None:
         if param.grad.is_sparse:  # `sparse_table_grads`: the batch's rows only, never a [vocab, d_ff] tensor
             grad = param.grad.coalesce()
-            rows, values = grad.indices()[0], grad.values()
+            nonzero = grad.values().ne(0).any(dim=1)  # a row in the batch with no gradient moves no more than dense
+            rows, values = grad.indices()[0][nonzero], grad.values()[nonzero]
         else:
             rows = param.grad.ne(0).any(dim=1).nonzero().squeeze(1)
             values = param.grad[rows]
@@ -204,7 +205,13 @@ def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
     """Makes every table's gradient sparse: the batch's rows only, instead of a dense `[vocab, d_ff]` tensor that
     backward fills and the optimizer reads however few rows the batch touched. Needs an optimizer and clipping that
     take sparse gradients: `RowSparseAdamW` row-sparse groups and `clip_grad_norm` (`StemTrainer` uses both)."""
-    for table in model.base_model.stem_tables.values():
+    tables = list(model.base_model.stem_tables.values())
+    if enable and any(t.weight.dtype != torch.float32 for t in tables):
+        raise ValueError(
+            "sparse table gradients need float32 tables (torch cannot add sparse bf16/fp16 gradients on CPU, so "
+            "accumulation fails): call model.set_table_dtype('float32') first, as training tables should be anyway"
+        )
+    for table in tables:
         table.sparse = enable
 
 
@@ -260,15 +267,19 @@ class StemTrainer(Trainer):
         self.sparse_table_grads = sparse_table_grads
         super().__init__(*args, **kwargs)
         if sparse_table_grads:
+            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+                raise ValueError("sparse_table_grads: not supported with FSDP or DeepSpeed (tested on one process)")
             use_sparse_table_grads(self.model)
 
     def _clip_grad_norm(self, model):
         if not self.sparse_table_grads:
             return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()  # what accelerate's clip_grad_norm_ does first (fp16 loss scaling)
         return clip_grad_norm(model.parameters(), self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None and self.sparse_table_grads:
+            self.accelerator.unscale_gradients()
             grad_norm = clip_grad_norm(model.parameters(), float("inf"))
         return super()._get_grad_norm(model, grad_norm)
 

@@ -9,6 +9,7 @@ from stem_hf.cli import main
 from stem_hf.editing import StemEdit, StemEditor, edited, edited_ids, find_occurrences, persist_edit
 from tests.conftest import byte_tokenizer, tiny_model
 from tests.test_offload import _model
+from tests.test_storage import _mapped_files
 
 IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 9], [1, 5, 6, 3, 3, 3, 3]])
 
@@ -105,7 +106,10 @@ def test_a_persisted_edit_on_a_memory_mapped_model_never_alters_its_file(tmp_pat
     shard = tmp_path / "ckpt" / "stem-tables-00001-of-00001.safetensors"
     before = shard.read_bytes()
     loaded = StemForCausalLM.from_pretrained(tmp_path / "ckpt")
+    table = loaded.model.stem_tables["1"].weight
+    assert any(f.endswith(".safetensors") for f in _mapped_files(table))  # the table is a view on the file
     persist_edit(loaded, StemEdit((5, 6), (7, 8)))
+    assert torch.equal(table[5], table[7]) and torch.equal(table[6], table[8])  # the edit took
     assert shard.read_bytes() == before
 
 
@@ -138,7 +142,11 @@ def test_text_edits_and_the_cli_print_answers_before_and_after(tmp_path, capsys)
         assert editor.edits[0].source == tuple(tokenizer("cat", add_special_tokens=False).input_ids)
     main(["edit", str(tmp_path / "m"), "--source", "cat", "--target", "dog", "--prompt", "the cat sat", "-n", "4"])
     out = capsys.readouterr().out
-    assert "before:" in out and "after (pad):" in out
+    source, target = (
+        tokenizer("cat", add_special_tokens=False).input_ids,
+        tokenizer("dog", add_special_tokens=False).input_ids,
+    )
+    assert f"(tokens {source} -> {target})" in out and "before:" in out and "after (pad):" in out
 
 
 def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():

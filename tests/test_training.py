@@ -167,7 +167,7 @@ def test_sparse_table_grads_give_the_updates_of_dense_ones_and_clip_the_same():
     dense_model = _stem()
     sparse_model, plain = copy.deepcopy(dense_model), copy.deepcopy(dense_model)
     use_sparse_table_grads(sparse_model)
-    batch = _dataset(4)[:]
+    batch = _dataset(4, ragged=True)[:]  # masked labels: rows looked up with little or no gradient
     ids, labels = torch.tensor(batch["input_ids"]), torch.tensor(batch["labels"])
     norms = []
     for model in (dense_model, sparse_model):
@@ -184,6 +184,24 @@ def test_sparse_table_grads_give_the_updates_of_dense_ones_and_clip_the_same():
     plain(input_ids=ids, labels=labels).loss.backward()
     expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)  # torch's, on dense gradients
     assert norms[0] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_row_in_the_batch_without_gradient_stays_put_with_sparse_gradients():
+    torch.manual_seed(0)
+    dense, sparse = torch.nn.Embedding(20, 4), torch.nn.Embedding(20, 4, sparse=True)
+    sparse.load_state_dict(dense.state_dict())
+    ids, mask = torch.tensor([3, 7, 9]), torch.tensor([1.0, 0.0, 1.0])[:, None]  # row 7 is looked up, then masked
+    for table in (dense, sparse):
+        optimizer = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2)
+        before = table.weight.detach().clone()
+        for _ in range(2):
+            optimizer.zero_grad()
+            (table(ids) * mask).sum().backward()
+            optimizer.step()
+        assert torch.equal(table.weight[7], before[7]) and not torch.equal(table.weight[3], before[3])
+    torch.testing.assert_close(sparse.weight, dense.weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="need float32 tables"):
+        use_sparse_table_grads(tiny_model(table_dtype="bfloat16"))
 
 
 def test_stem_trainer_with_sparse_table_grads_accumulates_like_a_full_batch(tmp_path):
