@@ -69,15 +69,39 @@ def find_occurrences(ids: torch.Tensor, pattern: Sequence[int]) -> list[tuple[in
 def edited_ids(input_ids: torch.Tensor, edits: Sequence[StemEdit], require: bool = True) -> torch.Tensor:
     """`stem_input_ids` for `pad` and `subset` edits: `input_ids` with each source occurrence's lookups pointed at the
     target's tokens. Raises if an edit's source never occurs (unless `require=False`)."""
+    found = [find_occurrences(input_ids, edit.source) for edit in edits]
+    if require:
+        _require_occurrences(edits, found)
+    return _point_ids(input_ids, edits, found)
+
+
+def _require_occurrences(edits: Sequence[StemEdit], found: list[list[tuple[int, int]]]) -> None:
+    missing = [edit for edit, hits in zip(edits, found, strict=True) if not hits]
+    if missing:
+        raise ValueError(f"edit: the source tokens {list(missing[0].source)} do not occur in the input")
+
+
+def _point_ids(input_ids: torch.Tensor, edits: Sequence[StemEdit], found: list) -> torch.Tensor:
+    """`input_ids` with the lookups of each `pad`/`subset` edit's occurrences (`found`) pointed at its target."""
     out = input_ids.clone()
-    for edit in edits:
+    for edit, hits in zip(edits, found, strict=True):
+        if edit.strategy == "mean":
+            continue
         mapped = torch.tensor(edit.mapped_target(), device=input_ids.device)
-        found = find_occurrences(input_ids, edit.source)
-        if require and not found:
-            raise ValueError(f"edit: the source tokens {list(edit.source)} do not occur in the input")
-        for row, start in found:
+        for row, start in hits:
             out[row, start : start + len(edit.source)] = mapped
     return out
+
+
+def check_edits(model: nn.Module, edits: Sequence[StemEdit]) -> None:
+    """Raises unless `model` has STEM layers and every id of `edits` is in its vocabulary."""
+    if not model.config.stem_layers:
+        raise ValueError("edit: this model has no STEM layers, so no table rows to edit")
+    vocab = model.config.vocab_size
+    for edit in edits:
+        bad = [i for i in (*edit.source, *edit.target) if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"edit: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
 
 class _EditedRows:
@@ -107,42 +131,32 @@ class StemEditor:
     offload engine (which serves rows from its own store)."""
 
     def __init__(self, model: nn.Module, edits: Sequence[StemEdit], require: bool = True):
-        if not model.config.stem_layers:
-            raise ValueError("edit: this model has no STEM layers, so no table rows to edit")
-        vocab = model.config.vocab_size
-        for edit in edits:
-            bad = [i for i in (*edit.source, *edit.target) if not 0 <= i < vocab]
-            if bad:
-                raise ValueError(f"edit: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        check_edits(model, edits)
         self.model, self.edits, self.require = model, list(edits), require
         self.tables = model.base_model.stem_tables
         self._hook = None
         self._pre_hook = None
         self._calls = 0
+        self._found: list = []
 
-    def _rows(self, module, args, output):
+    def _ids(self, _module, args):
+        """Pre-hook: finds each source's occurrences once per forward and points the id edits at their targets."""
         (stem_input_ids,) = args
+        self._calls += 1
+        self._found = [find_occurrences(stem_input_ids, edit.source) for edit in self.edits]
+        if self.require and self._calls == 1:  # the first forward (the prompt) must hold every source
+            _require_occurrences(self.edits, self._found)
+        return (_point_ids(stem_input_ids, self.edits, self._found),)
+
+    def _rows(self, _module, _args, output):
+        """Post-hook: overrides the rows at the occurrences of `mean` edits the pre-hook found."""
         overrides = []
-        for edit in self.edits:
-            if edit.strategy != "mean":
-                continue
-            found = find_occurrences(self._original, edit.source)
-            if found:
-                batch_rows = torch.tensor([r for r, s in found for _ in edit.source])
-                positions = torch.tensor([s + k for _, s in found for k in range(len(edit.source))])
+        for edit, hits in zip(self.edits, self._found, strict=True):
+            if edit.strategy == "mean" and hits:
+                batch_rows = torch.tensor([r for r, _ in hits for _ in edit.source])
+                positions = torch.tensor([s + k for _, s in hits for k in range(len(edit.source))])
                 overrides.append((batch_rows, positions, edit.target))
         return _EditedRows(output, self.tables, overrides)
-
-    def _ids(self, module, args):
-        (stem_input_ids,) = args
-        self._original = stem_input_ids
-        self._calls += 1
-        ids_edits = [e for e in self.edits if e.strategy != "mean"]
-        if self.require and self._calls == 1:  # the first forward (the prompt) must hold every source
-            missing = [e for e in self.edits if not find_occurrences(stem_input_ids, e.source)]
-            if missing:
-                raise ValueError(f"edit: the source tokens {list(missing[0].source)} do not occur in the input")
-        return (edited_ids(stem_input_ids, ids_edits, require=False),)
 
     def __enter__(self) -> "StemEditor":
         self._calls = 0
@@ -160,7 +174,7 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
     """Writes the edit into the tables: each source token's row becomes its target row (`pad`, `subset`) or the mean
     of the target's rows (`mean`), in every STEM layer, for every context the token appears in. Save with
     `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file."""
-    StemEditor(model, [edit])  # validates ids and layers
+    check_edits(model, [edit])
     for table in model.base_model.stem_tables.values():
         weight = table.weight
         if edit.strategy == "mean":
@@ -177,4 +191,13 @@ def edited(model: nn.Module, tokenizer, source: str, target: str, strategy: str 
         yield editor
 
 
-__all__ = ["STRATEGIES", "StemEdit", "StemEditor", "edited", "edited_ids", "find_occurrences", "persist_edit"]
+__all__ = [
+    "STRATEGIES",
+    "StemEdit",
+    "StemEditor",
+    "check_edits",
+    "edited",
+    "edited_ids",
+    "find_occurrences",
+    "persist_edit",
+]
