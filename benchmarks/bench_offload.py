@@ -62,7 +62,7 @@ def cache_hit_rates(token_stream: list[int], vocab_size: int, capacities: list[i
     return rates
 
 
-def speed(model, tokenizer, prompt_ids, new_tokens: int) -> dict:
+def speed(model, prompt_ids, new_tokens: int) -> dict:
     prefill_s = _median_seconds(lambda: model(prompt_ids), repeats=3)
     start = time.perf_counter()
     out = model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -99,11 +99,11 @@ def main() -> None:
 
     prompt = torch.tensor([[tokenizer.bos_token_id, *stream[:511]]])
     with torch.no_grad():
-        resident = speed(model, tokenizer, prompt, 32)
+        resident = speed(model, prompt, 32)
         with StemOffloadEngine(model) as engine:
-            no_cache = speed(model, tokenizer, prompt, 32)
+            no_cache = speed(model, prompt, 32)
         with StemOffloadEngine(model, cache_tokens=4096) as engine:
-            cached = speed(model, tokenizer, prompt, 32)
+            cached = speed(model, prompt, 32)
         resident_decode = resident["decode_tokens_per_s"]
         result["speed"] = {
             "resident": {k: v for k, v in resident.items() if k != "generated"},

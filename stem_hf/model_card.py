@@ -81,7 +81,7 @@ def _files(folder: Path) -> list[dict]:
     return rows
 
 
-def _eval_results(name: str, report: dict | None, lm_eval: dict) -> list[EvalResult]:
+def _eval_results(report: dict | None, lm_eval: dict) -> list[EvalResult]:
     results = []
     if report and report.get("heldout_perplexity_stem"):
         results.append(
@@ -148,7 +148,7 @@ def render_model_card(
         base_model=base_model,
         license=license_id,
         model_name=name,
-        eval_results=_eval_results(name, report, lm_eval) or None,
+        eval_results=_eval_results(report, lm_eval) or None,
     )
     facts = {
         "name": name,

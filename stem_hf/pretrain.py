@@ -9,13 +9,12 @@ per token match the dense model's. A BPE tokenizer is trained on the training sp
 import json
 import os
 import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedTokenizerFast, TrainerCallback, TrainingArguments
+from transformers import PreTrainedTokenizerFast, TrainingArguments
 
 from .accounting import summarize
 from .configuration_stem import StemConfig
@@ -110,14 +109,6 @@ def configs(settings: PretrainSettings, vocab_size: int) -> tuple[StemConfig, St
     return dense, StemConfig(**shape, intermediate_size=best, stem_layers=settings.stem_layers)
 
 
-class _Clock(TrainerCallback):
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.seconds = time.perf_counter() - self.start
-
-
 def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: PretrainSettings, out: Path) -> dict:
     torch.manual_seed(settings.seed)
     model = StemForCausalLM(config)
@@ -141,11 +132,8 @@ def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: Pret
         dataloader_num_workers=0,
         **settings.extra,
     )
-    clock = _Clock()
-    trainer = StemTrainer(
-        model=model, args=args, train_dataset=train, eval_dataset=valid, table_lr=settings.table_lr, callbacks=[clock]
-    )
-    trainer.train()
+    trainer = StemTrainer(model=model, args=args, train_dataset=train, eval_dataset=valid, table_lr=settings.table_lr)
+    seconds = trainer.train().metrics["train_runtime"]  # the whole train loop, its periodic evaluations included
     if settings.steps % settings.eval_every:  # the last periodic evaluation is not at the end
         trainer.evaluate()
     history = trainer.state.log_history
@@ -159,8 +147,8 @@ def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: Pret
         "active_params_per_token": s["active_params_per_token"],
         "flops_per_token": s["flops_per_token"],
         "final_valid_loss": valid[-1][1],
-        "train_seconds": clock.seconds,
-        "tokens_per_second": settings.steps * tokens_per_step / clock.seconds,
+        "train_seconds": seconds,
+        "tokens_per_second": settings.steps * tokens_per_step / seconds,
         "train_loss": [(h["step"] * tokens_per_step, h["loss"]) for h in history if "loss" in h],
         "valid_loss": valid,
     }
