@@ -241,11 +241,16 @@ def build_optimizer(
     args: TrainingArguments,
     table_lr: float | None = None,
     row_sparse_tables: bool = True,
-) -> RowSparseAdamW:
+    sharded: bool = False,
+) -> torch.optim.Optimizer:
     """The optimizer for `Trainer(..., optimizers=(build_optimizer(model, args), None))`: `param_groups` with
-    `args.learning_rate`, `args.weight_decay`, `args.adam_beta1/2` and `args.adam_epsilon`."""
-    groups = param_groups(model, args.learning_rate, args.weight_decay, table_lr, 0.0, row_sparse_tables)
-    return RowSparseAdamW(groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    `args.learning_rate`, `args.weight_decay`, `args.adam_beta1/2` and `args.adam_epsilon`, in `RowSparseAdamW`; or,
+    with `sharded` (FSDP, which shards every parameter, tables included, along rows, so the row-sparse bookkeeping
+    does not apply), in torch's AdamW over the same groups."""
+    row_sparse = row_sparse_tables and not sharded
+    groups = param_groups(model, args.learning_rate, args.weight_decay, table_lr, 0.0, row_sparse)
+    optimizer = torch.optim.AdamW if sharded else RowSparseAdamW
+    return optimizer(groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
 
 
 class StemTrainer(Trainer):
@@ -289,13 +294,8 @@ class StemTrainer(Trainer):
             if self.args.optim not in ("adamw_torch", "adamw_torch_fused"):
                 logger.warning(f"StemTrainer builds its own AdamW: optim={self.args.optim!r} is ignored")
             # Trainer may build the optimizer before FSDP2 shards the model, so ask Trainer, not the parameters.
-            if self.is_fsdp_enabled or any(type(p).__name__ == "DTensor" for p in model.parameters()):
-                # FSDP shards every parameter, tables included, along rows: the row-sparse bookkeeping does not apply.
-                groups = param_groups(model, self.args.learning_rate, self.args.weight_decay, self.table_lr)
-                betas = (self.args.adam_beta1, self.args.adam_beta2)
-                self.optimizer = torch.optim.AdamW(groups, betas=betas, eps=self.args.adam_epsilon)
-            else:
-                self.optimizer = build_optimizer(model, self.args, self.table_lr, self.row_sparse_tables)
+            sharded = self.is_fsdp_enabled or any(type(p).__name__ == "DTensor" for p in model.parameters())
+            self.optimizer = build_optimizer(model, self.args, self.table_lr, self.row_sparse_tables, sharded)
         return self.optimizer
 
 
