@@ -5,21 +5,19 @@ import json
 
 import torch
 
+from stem_hf.cli import read_texts
+
 from .assets import CORPUS_NAMES, corpora
 from .convert import convert
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _read(paths: list[str]) -> list[str]:
-    return [open(path, encoding="utf-8", errors="replace").read() for path in paths]
-
-
 def run_convert(args: argparse.Namespace) -> dict:
     torch.set_flush_denormal(True)  # dequantized checkpoints hold denormals: 4-5x slower CPU matmuls without this
     bundled = corpora() if args.calibration is None or args.heldout is None else None
-    calibration = _read(args.calibration) if args.calibration is not None else bundled["calibration"]
-    heldout = _read(args.heldout) if args.heldout is not None else bundled["heldout"]
+    calibration = read_texts(args.calibration) if args.calibration is not None else bundled["calibration"]
+    heldout = read_texts(args.heldout) if args.heldout is not None else bundled["heldout"]
     heal_options = {
         "train": args.heal_train,
         "anneal": args.heal_anneal,

@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             table_lr=args.table_lr,
             eval_every=args.eval_every,
         )
-        texts = [open(path, encoding="utf-8", errors="replace").read() for path in args.corpus]
-        result = pretrain(texts, args.out, settings)
+        result = pretrain(read_texts(args.corpus), args.out, settings)
         summary = {k: v for k, v in result.items() if k != "runs"}
         summary["final_valid_loss"] = {name: run["final_valid_loss"] for name, run in result["runs"].items()}
         print(json.dumps(summary, indent=2))
@@ -163,15 +162,24 @@ def main(argv: list[str] | None = None) -> None:
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
 
 
-def run_analyze(args: argparse.Namespace) -> dict:
+def read_texts(paths: list[str]) -> list[str]:
+    """The text files a command was given, one string each (undecodable bytes replaced)."""
+    return [open(path, encoding="utf-8", errors="replace").read() for path in paths]
+
+
+def _load(checkpoint: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
+    return model, AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
+
+
+def run_analyze(args: argparse.Namespace) -> dict:
     from .analysis import run_analysis
 
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, trust_remote_code=True)
+    model, tokenizer = _load(args.checkpoint)
     if args.text:
-        texts = [open(path, encoding="utf-8", errors="replace").read() for path in args.text]
+        texts = read_texts(args.text)
     else:
         from conversion.assets import corpora
 
@@ -194,12 +202,10 @@ def run_analyze(args: argparse.Namespace) -> dict:
 
 def run_edit(args: argparse.Namespace) -> tuple[str, str]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .editing import StemEdit, StemEditor, find_occurrences
 
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, trust_remote_code=True)
+    model, tokenizer = _load(args.checkpoint)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     edit = StemEdit.from_text(tokenizer, args.source, args.target, args.strategy)
     if not find_occurrences(ids, edit.source) and not args.source.startswith(" "):
