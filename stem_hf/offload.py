@@ -261,11 +261,17 @@ class StemOffloadEngine:
         missing = slots < 0
         if not missing.any():
             return 0
-        rows, scales, ready = self._fetch(unique[missing])
+        self._fetch_into_cache(unique[missing], keep=slots[~missing])
+        return int(missing.sum())
+
+    def _fetch_into_cache(self, ids: torch.Tensor, keep: torch.Tensor):
+        """Fetches the rows of `ids` (cache misses), caches them without evicting the slots in `keep`, and returns
+        them, copied and ready on the device."""
+        rows, scales, ready = self._fetch(ids)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        self.cache.insert(unique[missing], rows, scales, keep=slots[~missing])
-        return int(missing.sum())
+        self.cache.insert(ids, rows, scales, keep=keep)
+        return rows, scales
 
     @torch.no_grad()
     def rows(self, stem_input_ids: torch.Tensor) -> StemOffloadedRows:
@@ -285,14 +291,11 @@ class StemOffloadEngine:
         if scales is not None:
             scales[hit_positions] = self.cache.scales[slots[~miss].to(self.device)]
         if miss.any():
-            fetched, fetched_scales, ready = self._fetch(unique[miss])
-            if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
+            fetched, fetched_scales = self._fetch_into_cache(unique[miss], keep=slots[~miss])
             miss_positions = miss.nonzero().squeeze(1).to(self.device)
             rows[miss_positions] = fetched
             if scales is not None:
                 scales[miss_positions] = fetched_scales
-            self.cache.insert(unique[miss], fetched, fetched_scales, keep=slots[~miss])
         return StemOffloadedRows(self, rows, scales, inverse, None)
 
 
