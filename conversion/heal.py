@@ -143,6 +143,7 @@ def check_heal_options(
     lr: float = 1e-4,
     warmup: float = 0.05,
     log_every: int = 10,
+    callback: Callable[[int, float, float], None] | None = None,
     device: str | torch.device | None = None,
 ) -> None:
     """Raises on options `heal` would refuse, so that a conversion fails before its calibration, not after."""
@@ -157,6 +158,8 @@ def check_heal_options(
         raise ValueError(f"heal learning rates: table_lr {table_lr} must be > 0 and lr {lr} >= 0")
     if log_every < 1:
         raise ValueError(f"heal log_every: {log_every} must be at least 1")
+    if callback is not None and not callable(callback):
+        raise ValueError(f"heal callback: {callback!r} is not callable (it gets tokens seen, blend a and recent KL)")
     if device is not None:
         try:
             torch.empty(0, device=device)  # an unknown or absent device fails here, not after calibration

@@ -134,6 +134,15 @@ def test_bad_healing_options_are_clear_errors():
         convert(dense, stem_layers=[1], init="fitted", calibration=chunks, heal_tokens=10, device="cuda:99")
     with pytest.raises(ValueError, match="no STEM layers"):
         heal(dense, convert(dense, stem_layers="")[0], chunks, tokens=10)
+    with pytest.raises(ValueError, match="heal callback: 'print' is not callable"):  # before any calibration
+        convert(
+            dense,
+            stem_layers=[1],
+            init="fitted",
+            calibration=chunks,
+            heal_tokens=10,
+            heal_options={"callback": "print"},
+        )
     with pytest.raises(ValueError, match="none was given"):
         convert(dense, stem_layers=[1], init="xavier", heal_tokens=100)
 
@@ -143,6 +152,7 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
 
     dense = _opinionated("qwen2")
     heldout = _texts(2, 120, seed=3)
+    curve = []
     stem, report = convert(
         dense,
         tmp_path,
@@ -152,7 +162,10 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
         heldout=heldout,
         chunk_len=60,
         heal_tokens=1200,
+        heal_options={"log_every": 5, "callback": lambda tokens, a, kl: curve.append((tokens, a, kl))},
     )
+    # heal_options reach heal(): the curve ends at the last step, on the pure STEM model (a = 0).
+    assert curve and curve[-1][0] == 1200 and curve[-1][1] == 0.0
     saved = json.loads((tmp_path / "conversion_report.json").read_text())
     assert saved["heal_tokens"] == 1200 and saved["heal_train"] == "all" and saved["heal_anneal"] == 0.25
     # The report's "after" is the returned (and saved) model's; "before" is what it was before healing.
