@@ -5,7 +5,7 @@ import json
 import os
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stem-hf", description="STEM models for Hugging Face Transformers")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -101,11 +101,18 @@ def main(argv: list[str] | None = None) -> None:
 
     analyze = commands.add_parser("analyze", help="angular spread of table rows, activated parameters vs context")
     analyze.add_argument("checkpoint")
-    analyze.add_argument("--dense", help="the dense source (folder, Hub id or .gguf), for the reference spread")
+    analyze.add_argument(
+        "--dense",
+        help="the dense source (folder, Hub id or .gguf), for the reference spread (default: the local source its "
+        "conversion_report.json names, if any)",
+    )
     analyze.add_argument("--text", nargs="*", help="text files (default: the bundled held-out corpus)")
     analyze.add_argument("--out", default="runs/analysis")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.command == "info":
         from .accounting import load_config, summarize
 
@@ -174,6 +181,16 @@ def _load(checkpoint: str):
     return model, AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
 
 
+def _converted_from(checkpoint: str) -> str | None:
+    """The local dense source a converted checkpoint's report names, if it is still there."""
+    path = os.path.join(checkpoint, "conversion_report.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        source = json.load(f).get("source")
+    return source if source and os.path.exists(source) else None
+
+
 def run_analyze(args: argparse.Namespace) -> dict:
     from .analysis import run_analysis
 
@@ -184,11 +201,11 @@ def run_analyze(args: argparse.Namespace) -> dict:
         from conversion.assets import corpora
 
         texts = corpora()["heldout"]
-    dense = None
-    if args.dense:
+    dense, source = None, args.dense or _converted_from(args.checkpoint)
+    if source:
         from conversion.sources import load_source
 
-        dense = load_source(args.dense)[0].eval()
+        dense = load_source(source)[0].eval()
     result = run_analysis(model, tokenizer, texts, args.out, dense)
     summary = {
         "p95_abs_cos_tables": {k: v["p95_abs_cos"] for k, v in result["table_spread"].items()},

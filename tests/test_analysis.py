@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conversion import convert
 from stem_hf.analysis import activated_parameters, angular_spread, dense_up_spread, table_spread
 from stem_hf.cli import main
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
@@ -72,3 +73,23 @@ def test_stem_hf_analyze_writes_json_and_plots(tmp_path, capsys):
     for png in ("angular_spread.png", "activated_parameters.png"):
         assert (tmp_path / "a" / png).stat().st_size > 10_000
     assert "p95_abs_cos_tables" in capsys.readouterr().out
+
+
+def test_stem_hf_analyze_compares_with_the_dense_source_its_report_names(tmp_path):
+    dense_config = LlamaConfig(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+    )
+    LlamaForCausalLM(dense_config).save_pretrained(tmp_path / "dense")
+    byte_tokenizer().save_pretrained(tmp_path / "dense")
+    convert(str(tmp_path / "dense"), tmp_path / "stem", stem_layers=[1], init="projected")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    main(["analyze", str(tmp_path / "stem"), "--text", str(text), "--out", str(tmp_path / "a")])
+    result = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    assert set(result["dense_up_spread"]) == {"1"}  # the reference spread, from the source the report names
