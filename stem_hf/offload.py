@@ -216,16 +216,17 @@ class StemOffloadEngine:
         }
 
     def _stage(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A pinned staging buffer for `n` tokens, alternating between two so that a gather never writes into rows
-        whose copy to the device may still be running."""
+        """A staging buffer for `n` tokens, alternating between two so that a gather never writes into rows whose
+        copy to the device may still be running (or, on the CPU path, that the forward before may still read).
+        Pinned when there is a CUDA device to copy to: page-locked memory is what lets that copy run asynchronously."""
         self._turn ^= 1
         if self._events[self._turn] is not None:
             self._events[self._turn].synchronize()
         buffer = self._staging[self._turn]
         if buffer is None or buffer[0].shape[0] < n:
             shape = (max(n, 256), len(self.store.layers), self.store.width)
-            rows = torch.empty(shape, dtype=self.store.data.dtype, pin_memory=True)
-            scales = torch.empty(shape[:2], dtype=torch.float32, pin_memory=True) if self.store.int8 else None
+            rows = torch.empty(shape, dtype=self.store.data.dtype, pin_memory=self.cuda)
+            scales = torch.empty(shape[:2], dtype=torch.float32, pin_memory=self.cuda) if self.store.int8 else None
             buffer = self._staging[self._turn] = (rows, scales)
         rows, scales = buffer
         return rows[:n], None if scales is None else scales[:n]
@@ -233,11 +234,10 @@ class StemOffloadEngine:
     def _fetch(self, ids: torch.Tensor):
         """Rows (and scales) of host ids `ids` on the device, and the event that marks the copy done (CUDA only)."""
         self.fetched_tokens += len(ids)
-        if not self.cuda:
-            rows, scales = self.store.gather(ids)
-            return rows.to(self.device), None if scales is None else scales.to(self.device), None
         out_rows, out_scales = self._stage(len(ids))
         rows, scales = self.store.gather(ids, out_rows, out_scales)
+        if not self.cuda:  # on the CPU path the forward reads the staging buffer itself; no copy to wait for
+            return rows.to(self.device), None if scales is None else scales.to(self.device), None
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             rows = rows.to(self.device, non_blocking=True)

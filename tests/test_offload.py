@@ -44,6 +44,36 @@ def test_int8_store_halves_the_bytes_and_stays_close():
         assert (approx - exact).abs().max() <= exact.abs().amax() / 127 * 0.51
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_fetches_alternate_between_two_staging_buffers_that_grow(int8):
+    """The staging double-buffer, which the CPU path gathers into too: fetch N+1 never overwrites fetch N's rows (its
+    forward, or its copy on a GPU, may still read them), fetch N+2 reuses fetch N's buffer, and a fetch larger than a
+    buffer replaces it."""
+    engine = StemOffloadEngine(_model(table_dtype="bfloat16"), int8=int8)
+    expected = {}
+
+    def fetch(ids):
+        ids = torch.tensor(ids)
+        rows, scales, ready = engine._fetch(ids)
+        assert ready is None  # nothing to wait for without CUDA
+        expected[rows.data_ptr()] = engine.store.gather(ids)
+        return rows, scales
+
+    first, first_scales = fetch([3, 9, 4])
+    second, _ = fetch([50, 51])
+    assert first.data_ptr() != second.data_ptr()
+    torch.testing.assert_close(first, expected[first.data_ptr()][0], rtol=0, atol=0)  # intact after the next fetch
+    if int8:
+        torch.testing.assert_close(first_scales, expected[first.data_ptr()][1], rtol=0, atol=0)
+    third, _ = fetch([7])
+    assert third.data_ptr() == first.data_ptr()  # the first buffer, reused
+    assert [b[0].shape[0] for b in engine._staging] == [256, 256]  # the smallest buffer holds 256 tokens
+    big, _ = fetch(list(range(96)) * 3)  # 288 tokens: the other buffer, not the third fetch's, grows
+    assert sorted(b[0].shape[0] for b in engine._staging) == [256, 288] and big.data_ptr() != third.data_ptr()
+    torch.testing.assert_close(big, expected[big.data_ptr()][0], rtol=0, atol=0)
+    assert not any(b[0].is_pinned() for b in engine._staging)  # pinned only when there is a CUDA device to copy to
+
+
 def test_the_cache_evicts_the_least_used_then_the_least_recent():
     cache = StemRowCache(capacity=2, vocab_size=20, layers=1, width=1, dtype=torch.float32, device="cpu", scales=False)
 
