@@ -1,7 +1,8 @@
 """SmolLM2-135M converted to STEM with each table initialization: held-out perplexity next to the dense model's, before
 healing, and along healing runs from the best init and from xavier. Prints JSON and saves a PNG of the healing curves.
 
-Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--heal-tokens N] [--heal-ratios 1/3] [--out DIR]
+Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--inits fitted ...] [--heal-tokens N]
+       [--heal-ratios 1/3] [--out DIR]
 
 Calibration (and healing) text and held-out text are disjoint documents of the bundled corpus (conversion/assets.py).
 A healing curve is one run of `--heal-tokens` tokens, evaluated on the held-out text at `--eval-every` tokens once the
@@ -20,13 +21,15 @@ from conversion.assets import corpora, smollm2_gguf
 from conversion.convert import chunk_texts, perplexity
 from conversion.heal import heal
 
-# "fitted-rows" is `fitted` without its W_down refit: the ablation of that step.
+# (init, refit, sequential). "fitted-rows" is `fitted` without its W_down refit: the ablation of that step;
+# "fitted-sequential" converts one layer at a time on the partly converted model, refitting to the dense residual.
 VARIANTS = {
-    "fitted": ("fitted", True),
-    "fitted-rows": ("fitted", False),
-    "mean": ("mean", False),
-    "projected": ("projected", False),
-    "xavier": ("xavier", False),
+    "fitted": ("fitted", True, False),
+    "fitted-rows": ("fitted", False, False),
+    "fitted-sequential": ("fitted", True, True),
+    "mean": ("mean", False, False),
+    "projected": ("projected", False, False),
+    "xavier": ("xavier", False, False),
 }
 
 
@@ -109,13 +112,14 @@ def main() -> None:
     results, healing, kept = [], [], {}
     for ratio in args.ratios:
         for variant in args.inits:
-            init, refit = VARIANTS[variant]
+            init, refit, sequential = VARIANTS[variant]
             start = time.perf_counter()
             stem, report = convert(
                 dense,
                 stem_layers=ratio,
                 init=init,
                 refit=refit,
+                sequential=sequential,
                 calibration=texts["calibration"],
                 calibration_tokens=args.calibration_tokens,
                 tokenizer=tokenizer,

@@ -73,9 +73,21 @@ def _copy_dense_weights(dense, stem) -> None:
 
 
 @torch.inference_mode()
-def init_tables(dense, stem, init: str, chunks: list[torch.Tensor], shrink: float = 4.0, ridge: float = 1e-2) -> dict:
-    """Fills every table of `stem` from `dense`. Returns calibration facts for the report."""
-    layers, vocab = stem.config.stem_layers, stem.config.vocab_size
+def init_tables(
+    dense,
+    stem,
+    init: str,
+    chunks: list[torch.Tensor],
+    shrink: float = 4.0,
+    ridge: float = 1e-2,
+    layers: list[int] | None = None,
+    sequential: bool = False,
+) -> dict:
+    """Fills every table of `stem` (or those of `layers`) from `dense`. Returns calibration facts for the report.
+    `sequential`: collect the FFN inputs from `stem` as it stands (the STEM layers before these already converted)
+    instead of from `dense`."""
+    layers = stem.config.stem_layers if layers is None else layers
+    vocab = stem.config.vocab_size
     embed = dense.get_input_embeddings().weight.detach()
     info = {"calibration_tokens": 0, "distinct_tokens": 0, "vocab_coverage": 0.0}
     if init == "xavier" or not layers:
@@ -90,7 +102,8 @@ def init_tables(dense, stem, init: str, chunks: list[torch.Tensor], shrink: floa
         seen = torch.unique(ids)
         slots = torch.full((vocab,), -1, dtype=torch.long)
         slots[seen] = torch.arange(len(seen))
-        stats = calibrate(dense, chunks, layers, slots.clamp(min=0), fitted=init == "fitted")
+        mlps = {layer: dense.model.layers[layer].mlp for layer in layers} if sequential else None
+        stats = calibrate(stem if sequential else dense, chunks, layers, slots.clamp(min=0), init == "fitted", mlps)
         info = {
             "calibration_tokens": sum(len(c) for c in chunks),
             "distinct_tokens": len(seen),
@@ -129,6 +142,7 @@ def convert(
     chunk_len: int = 512,
     shrink: float = 4.0,
     refit: bool | None = None,
+    sequential: bool = False,
     heal_tokens: int = 0,
     device: str | torch.device | None = None,
     heal_options: dict | None = None,
@@ -141,7 +155,10 @@ def convert(
 
     `calibration` and `heldout` hold texts (strings, tokenized with the source's tokenizer) or token id sequences; keep
     them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (default: on for
-    `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. With `heal_tokens`, the
+    `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. `sequential` converts one
+    layer at a time, in order: each layer's rows are fit on the FFN inputs of the model with the layers before it
+    already converted, and its `W_down` is refit to bring the residual stream back to the dense model's (one or two
+    passes over the calibration text per STEM layer instead of two in all). With `heal_tokens`, the
     initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
     to `conversion.heal.heal`) on `device` (default: where the model is; tables stay in host memory). Saves to `out`
     (with the tokenizer, generation config, `conversion_report.json` and a model card) when given, and returns
@@ -170,12 +187,20 @@ def convert(
     bos = config.bos_token_id
     calib_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, calibration_tokens)
     heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
-    calibration_info = init_tables(dense, stem, init, calib_chunks, shrink)
     refit = init == "fitted" if refit is None else refit
-    if refit and config.stem_layers:
-        if not calib_chunks:
-            raise ValueError("refit: refitting W_down needs calibration text (--calibration)")
-        refit_down(dense, stem, calib_chunks)
+    for what, needed in (
+        (f"init {init!r}", init in ("mean", "fitted")),
+        ("refit: refitting W_down", refit),
+        ("sequential: sequential calibration", sequential),
+    ):
+        if needed and config.stem_layers and not calib_chunks:
+            raise ValueError(f"{what} needs calibration text (--calibration)")
+    for layers in (
+        [[layer] for layer in config.stem_layers] if sequential and config.stem_layers else [config.stem_layers]
+    ):
+        calibration_info = init_tables(dense, stem, init, calib_chunks, shrink, layers=layers, sequential=sequential)
+        if refit and layers:
+            refit_down(dense, stem, calib_chunks, layers=layers, feedback=sequential)
     heldout_ppl = (lambda model: perplexity(model, heldout_chunks)) if heldout_chunks else (lambda model: None)
     if base_model is None and isinstance(source, str) and not os.path.exists(source) and HUB_ID.fullmatch(source):
         base_model = source
@@ -187,6 +212,7 @@ def convert(
         "stem_layers": config.stem_layers,
         "init": init,
         "refit_down": bool(refit and config.stem_layers),
+        "sequential": sequential,
         "table_dtype": table_dtype,
         # Every chunk, calibration and held-out, starts with BOS (the converted model's exact position-0 row needs it).
         "bos_prepended": bos is not None,

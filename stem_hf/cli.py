@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
     )
+    convert.add_argument(
+        "--sequential",
+        action="store_true",
+        help="convert one layer at a time, each fit on the partly converted model and refit to the dense residual",
+    )
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
     # Left unset, the healing options take `conversion.heal.heal`'s defaults.
     convert.add_argument("--heal-train", choices=("tables", "ffn", "all"), help="what healing trains (default: all)")

@@ -312,3 +312,42 @@ def test_fitted_refits_down_and_lowers_the_layer_error():
             stem_out = stem.model.layers[1].mlp(x, stem.model.stem_tables["1"].weight[ids])
             errors[refit] = (stem_out - mlp(x)).pow(2).sum().item()
     assert errors[True] < errors[False], errors
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_sequential_conversion_of_one_layer_is_the_plain_one(kind):
+    """The first STEM layer sees the dense model's inputs either way, and the residual the dense layer adds is its FFN
+    output: sequential calibration changes nothing until a second STEM layer."""
+    dense = _dense(kind)
+    chunks = [torch.tensor([1, *t]) for t in _texts(6, 50, seed=9)]
+    models = [
+        convert(dense, stem_layers=[2], init="fitted", calibration=chunks, table_dtype="float32", sequential=s)[0]
+        for s in (False, True)
+    ]
+    plain, sequential = (m.state_dict() for m in models)
+    for name, value in plain.items():
+        torch.testing.assert_close(sequential[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_sequential_conversion_brings_the_residual_stream_closer_to_dense():
+    from conversion.calibrate import layer_output
+
+    dense = _dense("llama")
+    chunks = [torch.tensor([1, *t]) for t in _texts(8, 60, seed=10)]
+    errors, reports = {}, {}
+    for sequential in (False, True):
+        stem, reports[sequential] = convert(
+            dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", sequential=sequential
+        )
+        with torch.no_grad():
+            errors[sequential] = sum(
+                (layer_output(stem, 3, c) - layer_output(dense, 3, c)).pow(2).sum().item() for c in chunks
+            )
+    assert reports[True]["sequential"] and not reports[False]["sequential"]
+    assert reports[True]["vocab_coverage"] == reports[False]["vocab_coverage"]
+    assert errors[True] < 0.9 * errors[False], errors
+
+
+def test_sequential_conversion_needs_calibration_text():
+    with pytest.raises(ValueError, match="sequential: sequential calibration needs calibration text"):
+        convert(_dense("llama"), stem_layers=[1], init="projected", sequential=True)
