@@ -8,13 +8,17 @@
   multithreaded `index_select` into a pinned staging buffer (two, used in turn, so a gather never overwrites rows
   still being copied), copies them to the accelerator on a side stream, and hands each STEM layer its rows. A
   device-resident row cache (LFU, LRU among equals) keeps frequent tokens' rows so decode rarely fetches again.
+  `plan(prompt, chunk_size)` announces a chunked prefill: while one chunk computes, a background thread gathers (and
+  starts copying) the next chunk's rows into the other staging buffer.
 
 It plugs into the model as a forward hook on `model.model.stem_tables`, so `generate()` (greedy, sampling, batched,
 with the KV cache) and `device_map` loads work unchanged, and the model's code is untouched. Without an accelerator
 the same engine serves rows from host memory (no copy): the plain CPU gather path.
 """
 
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -173,7 +177,10 @@ class StemOffloadEngine:
         self.cache = StemRowCache(cache_tokens, vocab, n, width, dtype, self.device, int8) if cache_tokens else None
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._staging, self._turn, self._events = [None, None], 0, [None, None]
-        self.fetched_tokens = self.forwards = 0
+        self.fetched_tokens = self.forwards = self.planned_forwards = 0
+        self._plan: deque[torch.Tensor] = deque()
+        self._ahead: Future | None = None
+        self._worker: ThreadPoolExecutor | None = None
         self._hook = None
         self.freed = free_tables
         if free_tables:
@@ -188,6 +195,10 @@ class StemOffloadEngine:
     def detach(self) -> None:
         """Unhooks the engine. Tables freed by `free_tables=True` are rebuilt from the store first (exactly: an int8
         store cannot rebuild them, and refuses), so the model runs and saves as before."""
+        self._drop_plan()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
         if self.freed:
             if self.store.int8:
                 raise ValueError("detach: the tables were freed and the store is int8: they cannot be rebuilt exactly")
@@ -212,6 +223,7 @@ class StemOffloadEngine:
             "fetched_tokens": self.fetched_tokens,
             "fetched_bytes": self.fetched_tokens * self.store.row_bytes(),
             "cache_hit_rate": self.cache.hit_rate if self.cache else None,
+            "planned_forwards": self.planned_forwards,
             "host_bytes": self.store.nbytes,
         }
 
@@ -264,6 +276,33 @@ class StemOffloadEngine:
         self._fetch_into_cache(unique[missing], keep=slots[~missing])
         return int(missing.sum())
 
+    def plan(self, ids: torch.Tensor, chunk_size: int) -> None:
+        """Announces the prefill that `generate(ids, prefill_chunk_size=chunk_size)` is about to run. Its chunks are
+        known before any compute, so the first chunk's rows are gathered now, and while each chunk computes a
+        background thread gathers the next one's into the other staging buffer (and, on a GPU, starts its copy on the
+        side stream). A forward that is not the next planned chunk drops the plan and is served as usual. Without a
+        row cache only: with one, `prefetch(ids)` brings the whole prompt's rows in up front instead."""
+        if self.cache is not None:
+            raise ValueError("plan: the engine has a row cache; prefetch(ids) brings the whole prompt into it instead")
+        if chunk_size < 1:
+            raise ValueError(f"plan: chunk_size {chunk_size} must be at least 1")
+        self._drop_plan()
+        ids = ids.detach().cpu()
+        self._plan = deque(ids[:, start : start + chunk_size] for start in range(0, ids.shape[1], chunk_size))
+        self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="stem-rows")
+        self._ahead = self._worker.submit(self._gather, self._plan[0])
+
+    def _gather(self, ids: torch.Tensor):
+        """Unique rows of `ids` fetched (what `rows` does without a cache), and where each position's row is."""
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        rows, scales, ready = self._fetch(unique)
+        return rows, scales, ready, inverse.view(ids.shape)
+
+    def _drop_plan(self) -> None:
+        if self._ahead is not None:
+            self._ahead.result()  # its fetch uses the staging buffers: let it finish before anything else does
+        self._plan, self._ahead = deque(), None
+
     def _fetch_into_cache(self, ids: torch.Tensor, keep: torch.Tensor):
         """Fetches the rows of `ids` (cache misses), caches them without evicting the slots in `keep`, and returns
         them, copied and ready on the device."""
@@ -277,6 +316,15 @@ class StemOffloadEngine:
     def rows(self, stem_input_ids: torch.Tensor) -> StemOffloadedRows:
         """The rows of one forward for every STEM layer (what the forward hook hands the layers)."""
         self.forwards += 1
+        if self._plan:
+            host_ids = stem_input_ids.cpu()
+            if torch.equal(host_ids, self._plan[0]):
+                self._plan.popleft()
+                rows, scales, ready, inverse = self._ahead.result()
+                self._ahead = self._worker.submit(self._gather, self._plan[0]) if self._plan else None
+                self.planned_forwards += 1
+                return StemOffloadedRows(self, rows, scales, inverse.to(self.device, non_blocking=True), ready)
+            self._drop_plan()
         unique, inverse = torch.unique(stem_input_ids.reshape(-1).cpu(), return_inverse=True)
         inverse = inverse.view(stem_input_ids.shape).to(self.device, non_blocking=True)
         if self.cache is None:

@@ -193,3 +193,39 @@ def test_chunked_prefill_after_a_prompt_prefetch_reads_the_cache_only():
     assert torch.equal(out, expected)
     assert engine.stats["forwards"] == 3 + 5  # three prefill chunks of at most 8 tokens, then decode
     assert engine.cache.misses <= 5  # the chunks all hit; only generated tokens can miss
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_planned_chunked_prefill_gathers_each_next_chunk_in_the_background(int8):
+    model = _model(table_dtype="bfloat16")
+    ids = torch.randint(3, 96, (2, 21), generator=torch.Generator().manual_seed(1))
+    with offloaded(model, int8=int8) as reference:  # the same store, served forward by forward
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False, prefill_chunk_size=8)
+    assert reference.stats["planned_forwards"] == 0
+    with offloaded(model, int8=int8) as engine:
+        engine.plan(ids, chunk_size=8)
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, prefill_chunk_size=8)
+        assert engine.stats["planned_forwards"] == 3  # chunks of 8, 8 and 5 tokens, each gathered ahead
+        assert not engine._plan and engine._ahead is None
+        assert engine._worker is not None
+    assert engine._worker is None  # detach stops the thread
+    assert torch.equal(out, expected)
+    assert engine.stats["forwards"] == 3 + 4
+
+
+def test_a_forward_off_the_plan_drops_it_and_is_served_as_usual():
+    model = _model(table_dtype="bfloat16")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    other = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(other).logits
+        with offloaded(model) as engine:
+            engine.plan(ids, chunk_size=4)
+            got = model(other).logits  # not the planned first chunk
+            assert not engine._plan and engine.stats["planned_forwards"] == 0
+    assert torch.equal(got, expected)
+    with (
+        offloaded(model, cache_tokens=16) as engine,
+        pytest.raises(ValueError, match="plan: the engine has a row cache"),
+    ):
+        engine.plan(ids, chunk_size=4)
