@@ -91,7 +91,8 @@ def healing_run(dense, stem, chunks, heldout, dense_ppl: float, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", nargs="+", default=["1/3", "1/2"])
-    parser.add_argument("--inits", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    slow = ["fitted-sequential"]  # 5x the conversion time of fitted: asked for by name
+    parser.add_argument("--inits", nargs="+", default=[v for v in VARIANTS if v not in slow], choices=list(VARIANTS))
     parser.add_argument("--calibration-tokens", type=int, default=50_000)
     parser.add_argument("--heldout-tokens", type=int, default=10_000)
     parser.add_argument("--heal-ratios", nargs="*", default=["1/3"])

@@ -157,8 +157,9 @@ def convert(
     them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (default: on for
     `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. `sequential` converts one
     layer at a time, in order: each layer's rows are fit on the FFN inputs of the model with the layers before it
-    already converted, and its `W_down` is refit to bring the residual stream back to the dense model's (one or two
-    passes over the calibration text per STEM layer instead of two in all). With `heal_tokens`, the
+    already converted, and its `W_down` is refit to bring the residual stream back to the dense model's (per STEM
+    layer, a calibration pass and a refit pass through both models, each stopping at that layer, instead of two
+    passes in all). With `heal_tokens`, the
     initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
     to `conversion.heal.heal`) on `device` (default: where the model is; tables stay in host memory). Saves to `out`
     (with the tokenizer, generation config, `conversion_report.json` and a model card) when given, and returns
@@ -195,6 +196,8 @@ def convert(
     ):
         if needed and config.stem_layers and not calib_chunks:
             raise ValueError(f"{what} needs calibration text (--calibration)")
+    if sequential and init not in ("mean", "fitted") and not refit:
+        raise ValueError(f"sequential: init {init!r} without refit uses no calibration: nothing to sequence")
     for layers in (
         [[layer] for layer in config.stem_layers] if sequential and config.stem_layers else [config.stem_layers]
     ):

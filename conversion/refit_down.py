@@ -47,9 +47,18 @@ def refit_down(
         s = mlp.act_fn(mlp.gate_proj(x))
         accumulate(layer, mlp, x, chunk, nn.functional.linear(s * mlp.up_proj(x), mlp.down_proj.weight))  # no bias
 
+    def solve(layer):
+        weight = stem.model.layers[layer].mlp.down_proj.weight
+        lam = ridge * gram[layer].diagonal().mean()
+        system = gram[layer] + lam * torch.eye(inter, dtype=torch.float64)
+        solution = torch.linalg.solve(system, cross[layer] + lam * weight.T.double())
+        weight.copy_(solution.T.to(weight.dtype))
+
     if not feedback:
         run_to_layers(dense, chunks, layers, collect, "refitting W_down")
-    for layer in layers if feedback else ():
+        for layer in tqdm(layers, desc="solving W_down", unit="layer"):
+            solve(layer)
+    for layer in layers if feedback else ():  # in order, each solved before the next one's inputs are taken
         mlp = dense.model.layers[layer].mlp
         for chunk in tqdm(chunks, desc=f"refitting W_down of layer {layer}", unit="chunk"):
             residual, x = layer_inputs(stem, layer, chunk)
@@ -57,9 +66,4 @@ def refit_down(
             if mlp.down_proj.bias is not None:
                 target = target - mlp.down_proj.bias
             accumulate(layer, mlp, x, chunk, target)
-    for layer in tqdm(layers, desc="solving W_down", unit="layer"):
-        weight = stem.model.layers[layer].mlp.down_proj.weight
-        lam = ridge * gram[layer].diagonal().mean()
-        system = gram[layer] + lam * torch.eye(inter, dtype=torch.float64)
-        solution = torch.linalg.solve(system, cross[layer] + lam * weight.T.double())
-        weight.copy_(solution.T.to(weight.dtype))
+        solve(layer)

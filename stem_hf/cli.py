@@ -191,9 +191,13 @@ def _converted_from(checkpoint: str) -> str | None:
     path = os.path.join(checkpoint, "conversion_report.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        source = json.load(f).get("source")
-    return source if source and os.path.exists(source) else None
+    try:
+        with open(path) as f:
+            source = json.load(f).get("source")
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise ValueError(f"{path}: not a conversion report ({error}); name the dense source with --dense") from error
+    # A relative path is as convert was given it: resolved from the current directory, as `--dense` would be.
+    return source if isinstance(source, str) and os.path.exists(source) else None
 
 
 def run_analyze(args: argparse.Namespace) -> dict:

@@ -16,6 +16,7 @@ with the KV cache) and `device_map` loads work unchanged, and the model's code i
 the same engine serves rows from host memory (no copy): the plain CPU gather path.
 """
 
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -243,14 +244,15 @@ class StemOffloadEngine:
         rows, scales = buffer
         return rows[:n], None if scales is None else scales[:n]
 
-    def _fetch(self, ids: torch.Tensor):
-        """Rows (and scales) of host ids `ids` on the device, and the event that marks the copy done (CUDA only)."""
+    def _fetch(self, ids: torch.Tensor, main=None):
+        """Rows (and scales) of host ids `ids` on the device, and the event that marks the copy done (CUDA only).
+        `main`: the stream that will read them (default: the current one; a worker thread must pass the caller's)."""
         self.fetched_tokens += len(ids)
         out_rows, out_scales = self._stage(len(ids))
         rows, scales = self.store.gather(ids, out_rows, out_scales)
         if not self.cuda:  # on the CPU path the forward reads the staging buffer itself; no copy to wait for
             return rows.to(self.device), None if scales is None else scales.to(self.device), None
-        main = torch.cuda.current_stream(self.device)
+        main = main or torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             rows = rows.to(self.device, non_blocking=True)
             scales = None if scales is None else scales.to(self.device, non_blocking=True)
@@ -286,22 +288,32 @@ class StemOffloadEngine:
             raise ValueError("plan: the engine has a row cache; prefetch(ids) brings the whole prompt into it instead")
         if chunk_size < 1:
             raise ValueError(f"plan: chunk_size {chunk_size} must be at least 1")
+        if ids.numel() == 0:
+            raise ValueError("plan: the prompt is empty")
         self._drop_plan()
         ids = ids.detach().cpu()
         self._plan = deque(ids[:, start : start + chunk_size] for start in range(0, ids.shape[1], chunk_size))
         self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="stem-rows")
-        self._ahead = self._worker.submit(self._gather, self._plan[0])
+        self._gather_ahead()
 
-    def _gather(self, ids: torch.Tensor):
+    def _gather_ahead(self) -> None:
+        """Starts gathering the next planned chunk's rows on the worker thread."""
+        main = torch.cuda.current_stream(self.device) if self.cuda else None  # this thread's stream reads them
+        self._ahead = self._worker.submit(self._gather, self._plan[0], main) if self._plan else None
+
+    def _gather(self, ids: torch.Tensor, main):
         """Unique rows of `ids` fetched (what `rows` does without a cache), and where each position's row is."""
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        rows, scales, ready = self._fetch(unique)
+        rows, scales, ready = self._fetch(unique, main)
         return rows, scales, ready, inverse.view(ids.shape)
 
     def _drop_plan(self) -> None:
-        if self._ahead is not None:
-            self._ahead.result()  # its fetch uses the staging buffers: let it finish before anything else does
-        self._plan, self._ahead = deque(), None
+        """Forgets the plan, once the gather under way (which uses the staging buffers) has ended. A failed gather is
+        forgotten too: the forward that needs those rows fetches them itself."""
+        ahead, self._plan, self._ahead = self._ahead, deque(), None
+        if ahead is not None and ahead.exception() is not None:  # exception() waits for the gather to end
+            message = f"plan: a background gather failed ({ahead.exception()!r}); forwards fetch their own rows"
+            warnings.warn(message, stacklevel=2)
 
     def _fetch_into_cache(self, ids: torch.Tensor, keep: torch.Tensor):
         """Fetches the rows of `ids` (cache misses), caches them without evicting the slots in `keep`, and returns
@@ -318,10 +330,10 @@ class StemOffloadEngine:
         self.forwards += 1
         if self._plan:
             host_ids = stem_input_ids.cpu()
-            if torch.equal(host_ids, self._plan[0]):
-                self._plan.popleft()
+            if torch.equal(host_ids, self._plan[0]) and self._ahead.exception() is None:
                 rows, scales, ready, inverse = self._ahead.result()
-                self._ahead = self._worker.submit(self._gather, self._plan[0]) if self._plan else None
+                self._plan.popleft()
+                self._gather_ahead()
                 self.planned_forwards += 1
                 return StemOffloadedRows(self, rows, scales, inverse.to(self.device, non_blocking=True), ready)
             self._drop_plan()

@@ -93,3 +93,12 @@ def test_stem_hf_analyze_compares_with_the_dense_source_its_report_names(tmp_pat
     main(["analyze", str(tmp_path / "stem"), "--text", str(text), "--out", str(tmp_path / "a")])
     result = json.loads((tmp_path / "a" / "analysis.json").read_text())
     assert set(result["dense_up_spread"]) == {"1"}  # the reference spread, from the source the report names
+
+
+def test_stem_hf_analyze_names_a_corrupt_conversion_report(tmp_path):
+    model = tiny_model(vocab_size=BYTE_VOCAB)
+    model.save_pretrained(tmp_path / "m")
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "conversion_report.json").write_text("{not json")
+    with pytest.raises(ValueError, match="conversion_report.json: not a conversion report.*--dense"):
+        main(["analyze", str(tmp_path / "m"), "--out", str(tmp_path / "a")])

@@ -314,11 +314,18 @@ def test_fitted_refits_down_and_lowers_the_layer_error():
     assert errors[True] < errors[False], errors
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-mlp-bias"])
 def test_sequential_conversion_of_one_layer_is_the_plain_one(kind):
     """The first STEM layer sees the dense model's inputs either way, and the residual the dense layer adds is its FFN
     output: sequential calibration changes nothing until a second STEM layer."""
-    dense = _dense(kind)
+    if kind == "llama-mlp-bias":  # the down projection's bias is in the dense layer output, not in the refit target
+        torch.manual_seed(0)
+        dense = LlamaForCausalLM(LlamaConfig(**SHAPE, mlp_bias=True)).eval()
+        with torch.no_grad():
+            for layer in dense.model.layers:
+                layer.mlp.down_proj.bias.normal_(0.0, 0.5)
+    else:
+        dense = _dense(kind)
     chunks = [torch.tensor([1, *t]) for t in _texts(6, 50, seed=9)]
     models = [
         convert(dense, stem_layers=[2], init="fitted", calibration=chunks, table_dtype="float32", sequential=s)[0]
@@ -348,6 +355,9 @@ def test_sequential_conversion_brings_the_residual_stream_closer_to_dense():
     assert errors[True] < 0.9 * errors[False], errors
 
 
-def test_sequential_conversion_needs_calibration_text():
+def test_sequential_conversion_needs_calibration_text_and_something_to_sequence():
     with pytest.raises(ValueError, match="sequential: sequential calibration needs calibration text"):
         convert(_dense("llama"), stem_layers=[1], init="projected", sequential=True)
+    chunks = [torch.tensor([1, *t]) for t in _texts(2, 20, seed=11)]
+    with pytest.raises(ValueError, match="sequential: init 'projected' without refit uses no calibration"):
+        convert(_dense("llama"), stem_layers=[1], init="projected", calibration=chunks, sequential=True)

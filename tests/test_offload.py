@@ -229,3 +229,23 @@ def test_a_forward_off_the_plan_drops_it_and_is_served_as_usual():
         pytest.raises(ValueError, match="plan: the engine has a row cache"),
     ):
         engine.plan(ids, chunk_size=4)
+
+
+def test_a_failed_background_gather_is_reported_and_the_forward_fetches_its_own_rows():
+    model = _model(table_dtype="bfloat16")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(ids[:, :6]).logits
+        with offloaded(model) as engine:
+
+            def broken(*args):
+                raise RuntimeError("pinned memory exhausted")
+
+            engine._gather = broken
+            engine.plan(ids, chunk_size=6)
+            with pytest.warns(UserWarning, match="a background gather failed.*pinned memory exhausted"):
+                got = model(ids[:, :6]).logits
+            assert not engine._plan and engine._ahead is None and engine.stats["planned_forwards"] == 0
+            with pytest.raises(ValueError, match="plan: the prompt is empty"):
+                engine.plan(ids[:, :0], chunk_size=6)
+    assert torch.equal(got, expected)
