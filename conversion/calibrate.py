@@ -51,25 +51,24 @@ def run_to_layers(
         return mlp.register_forward_pre_hook(pre_forward)
 
     current = [None]
-    handles = [hook(layer) for layer in layers]
-    try:
+
+    def tracked():
         for chunk in tqdm(chunks, desc=desc, unit="chunk"):
             current[0] = chunk
+            yield chunk
+
+    _run_until(model, tracked(), [hook(layer) for layer in layers])
+
+
+def _run_until(model: torch.nn.Module, chunks, hooks: list) -> None:
+    """Runs `model` on each chunk until one of `hooks` (made by `register_*` calls) raises `_Stop`, then removes
+    the hooks."""
+    try:
+        for chunk in chunks:
             try:
                 model(chunk[None], use_cache=False)
             except _Stop:
                 pass
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _run_until(model: torch.nn.Module, chunk: torch.Tensor, hooks: list) -> None:
-    """Runs `model` on one chunk with `hooks` (made by `register_*` calls) until one of them raises `_Stop`."""
-    try:
-        model(chunk[None], use_cache=False)
-    except _Stop:
-        pass
     finally:
         for handle in hooks:
             handle.remove()
@@ -87,7 +86,7 @@ def layer_inputs(model: torch.nn.Module, layer: int, chunk: torch.Tensor) -> tup
 
     _run_until(
         model,
-        chunk,
+        [chunk],
         [block.post_attention_layernorm.register_forward_pre_hook(keep), block.mlp.register_forward_pre_hook(keep)],
     )
     return got[0], got[1]
@@ -101,7 +100,7 @@ def layer_output(model: torch.nn.Module, layer: int, chunk: torch.Tensor) -> tor
         got.append((output[0] if isinstance(output, tuple) else output)[0].float())
         raise _Stop
 
-    _run_until(model, chunk, [model.model.layers[layer].register_forward_hook(keep)])
+    _run_until(model, [chunk], [model.model.layers[layer].register_forward_hook(keep)])
     return got[0]
 
 
