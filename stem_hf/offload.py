@@ -337,11 +337,11 @@ class StemOffloadEngine:
                 self.planned_forwards += 1
                 return StemOffloadedRows(self, rows, scales, inverse.to(self.device, non_blocking=True), ready)
             self._drop_plan()
+        if self.cache is None:  # what a planned forward got from the worker, fetched here and now
+            rows, scales, ready, inverse = self._gather(stem_input_ids.cpu(), None)
+            return StemOffloadedRows(self, rows, scales, inverse.to(self.device, non_blocking=True), ready)
         unique, inverse = torch.unique(stem_input_ids.reshape(-1).cpu(), return_inverse=True)
         inverse = inverse.view(stem_input_ids.shape).to(self.device, non_blocking=True)
-        if self.cache is None:
-            rows, scales, ready = self._fetch(unique)
-            return StemOffloadedRows(self, rows, scales, inverse, ready)
         slots = self.cache.lookup(unique)
         miss = slots < 0
         rows = torch.empty((len(unique), *self.store.data.shape[1:]), dtype=self.store.data.dtype, device=self.device)
