@@ -74,36 +74,6 @@ def _run_until(model: torch.nn.Module, chunks, hooks: list) -> None:
             handle.remove()
 
 
-def layer_inputs(model: torch.nn.Module, layer: int, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(residual, ffn_input)` of `layer` on `chunk`: the residual stream after attention (what the FFN output is
-    added to) and the FFN's normed input, each `[seq, hidden]` in fp32. The forward stops there."""
-    block, got = model.model.layers[layer], []
-
-    def keep(_module, args):
-        got.append(args[0][0].float())
-        if len(got) == 2:
-            raise _Stop
-
-    _run_until(
-        model,
-        [chunk],
-        [block.post_attention_layernorm.register_forward_pre_hook(keep), block.mlp.register_forward_pre_hook(keep)],
-    )
-    return got[0], got[1]
-
-
-def layer_output(model: torch.nn.Module, layer: int, chunk: torch.Tensor) -> torch.Tensor:
-    """The residual stream after `layer` on `chunk`, `[seq, hidden]` in fp32. The forward stops there."""
-    got = []
-
-    def keep(_module, _args, output):
-        got.append((output[0] if isinstance(output, tuple) else output)[0].float())
-        raise _Stop
-
-    _run_until(model, [chunk], [model.model.layers[layer].register_forward_hook(keep)])
-    return got[0]
-
-
 @torch.inference_mode()
 def calibrate(
     model,
@@ -111,11 +81,8 @@ def calibrate(
     layers: list[int],
     slots: torch.Tensor,
     fitted: bool,
-    mlps: dict[int, torch.nn.Module] | None = None,
 ) -> dict[int, LayerStats]:
-    """`chunks`: 1-D token id tensors, each run as one sequence. `slots`: [vocab] -> accumulator row (-1: unseen).
-    `mlps`: the dense FFN of each layer, when `model` is not the dense model (sequential calibration runs the partly
-    converted model, whose STEM layers have no up-projection)."""
+    """`chunks`: 1-D token id tensors, each run as one sequence. `slots`: [vocab] -> accumulator row (-1: unseen)."""
     n_slots = int(slots.max()) + 1
     hidden, inter = model.config.hidden_size, model.config.intermediate_size
 
@@ -136,7 +103,6 @@ def calibrate(
     }
 
     def collect(layer, mlp, x, chunk):
-        mlp = mlps[layer] if mlps is not None else mlp
         s = stats[layer]
         rest = slots[chunk][1:]
         s.count.index_add_(0, rest, torch.ones(len(rest)))

@@ -34,7 +34,7 @@ def run_convert(args: argparse.Namespace) -> dict:
         heldout=heldout,
         heldout_tokens=args.heldout_tokens,
         table_dtype=DTYPE_ALIASES.get(args.table_dtype, args.table_dtype),
-        sequential=args.sequential,
+        refit=args.refit,
         device=args.device,
         heal_tokens=args.heal_tokens,
         heal_options={k: v for k, v in heal_options.items() if v is not None},

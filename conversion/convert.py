@@ -13,12 +13,14 @@ from tqdm import tqdm
 from stem_hf import StemForCausalLM, write_model_card
 
 from .calibrate import calibrate
+from .feedback import refit_feedback
 from .heal import check_heal_options, heal
 from .init_tables import calibrated_rows, projected_rows, ridge_map
 from .refit_down import refit_down
 from .sources import load_source, stem_config_from_dense
 
 INITS = ("fitted", "mean", "projected", "xavier")
+REFITS = ("none", "plain", "sequential", "all")
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
 
@@ -81,11 +83,8 @@ def init_tables(
     shrink: float = 4.0,
     ridge: float = 1e-2,
     layers: list[int] | None = None,
-    sequential: bool = False,
 ) -> dict:
-    """Fills every table of `stem` (or those of `layers`) from `dense`. Returns calibration facts for the report.
-    `sequential`: collect the FFN inputs from `stem` as it stands (the STEM layers before these already converted)
-    instead of from `dense`."""
+    """Fills every table of `stem` (or those of `layers`) from `dense`. Returns calibration facts for the report."""
     layers = stem.config.stem_layers if layers is None else layers
     vocab = stem.config.vocab_size
     embed = dense.get_input_embeddings().weight.detach()
@@ -102,8 +101,7 @@ def init_tables(
         seen = torch.unique(ids)
         slots = torch.full((vocab,), -1, dtype=torch.long)
         slots[seen] = torch.arange(len(seen))
-        mlps = {layer: dense.model.layers[layer].mlp for layer in layers} if sequential else None
-        stats = calibrate(stem if sequential else dense, chunks, layers, slots.clamp(min=0), init == "fitted", mlps)
+        stats = calibrate(dense, chunks, layers, slots.clamp(min=0), init == "fitted")
         info = {
             "calibration_tokens": sum(len(c) for c in chunks),
             "distinct_tokens": len(seen),
@@ -141,8 +139,7 @@ def convert(
     tokenizer=None,
     chunk_len: int = 512,
     shrink: float = 4.0,
-    refit: bool | None = None,
-    sequential: bool = False,
+    refit: str | None = None,
     heal_tokens: int = 0,
     device: str | torch.device | None = None,
     heal_options: dict | None = None,
@@ -154,12 +151,12 @@ def convert(
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
 
     `calibration` and `heldout` hold texts (strings, tokenized with the source's tokenizer) or token id sequences; keep
-    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (default: on for
-    `fitted`) refits the STEM layers' `W_down` in closed form to the dense FFN outputs. `sequential` converts one
-    layer at a time, in order: each layer's rows are fit on the FFN inputs of the model with the layers before it
-    already converted, and its `W_down` is refit to bring the residual stream back to the dense model's (per STEM
-    layer, a calibration pass and a refit pass through both models, each stopping at that layer, instead of two
-    passes in all). With `heal_tokens`, the
+    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (one of `REFITS`;
+    default `"all"` for `fitted`, `"none"` for the others) then refits output projections in closed form:
+    `"plain"` each STEM layer's `W_down` to the dense FFN's output on the dense model's activations; `"sequential"` the
+    same, layer by layer along both models' residual streams, to bring the converted stream back to the dense one
+    (`conversion.feedback`); `"all"` also every attention `o_proj` and dense `W_down` after the first STEM layer. With
+    `heal_tokens`, the
     initialized model is then distilled from the dense one on that many tokens of calibration text (`heal_options` go
     to `conversion.heal.heal`) on `device` (default: where the model is; tables stay in host memory). Saves to `out`
     (with the tokenizer, generation config, `conversion_report.json` and a model card) when given, and returns
@@ -170,6 +167,8 @@ def convert(
     """
     if init not in INITS:
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
+    if refit is not None and refit not in REFITS:
+        raise ValueError(f"refit: {refit!r} is not one of {', '.join(REFITS)}")
     heal_options = heal_options or {}
     check_heal_options(heal_tokens, **heal_options, device=device)
     if heal_tokens and not calibration:
@@ -188,22 +187,15 @@ def convert(
     bos = config.bos_token_id
     calib_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, calibration_tokens)
     heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
-    refit = init == "fitted" if refit is None else refit
-    for what, needed in (
-        (f"init {init!r}", init in ("mean", "fitted")),
-        ("refit: refitting W_down", refit),
-        ("sequential: sequential calibration", sequential),
-    ):
+    refit = ("all" if init == "fitted" else "none") if refit is None else refit
+    for what, needed in ((f"init {init!r}", init in ("mean", "fitted")), (f"refit {refit!r}", refit != "none")):
         if needed and config.stem_layers and not calib_chunks:
             raise ValueError(f"{what} needs calibration text (--calibration)")
-    if sequential and init not in ("mean", "fitted") and not refit:
-        raise ValueError(f"sequential: init {init!r} without refit uses no calibration: nothing to sequence")
-    for layers in (
-        [[layer] for layer in config.stem_layers] if sequential and config.stem_layers else [config.stem_layers]
-    ):
-        calibration_info = init_tables(dense, stem, init, calib_chunks, shrink, layers=layers, sequential=sequential)
-        if refit and layers:
-            refit_down(dense, stem, calib_chunks, layers=layers, feedback=sequential)
+    calibration_info = init_tables(dense, stem, init, calib_chunks, shrink)
+    if refit == "plain" and config.stem_layers:
+        refit_down(dense, stem, calib_chunks)
+    elif refit in ("sequential", "all"):
+        refit_feedback(dense, stem, calib_chunks, correct_dense=refit == "all")
     heldout_ppl = (lambda model: perplexity(model, heldout_chunks)) if heldout_chunks else (lambda model: None)
     if base_model is None and isinstance(source, str) and not os.path.exists(source) and HUB_ID.fullmatch(source):
         base_model = source
@@ -214,8 +206,7 @@ def convert(
         "license": license,
         "stem_layers": config.stem_layers,
         "init": init,
-        "refit_down": bool(refit and config.stem_layers),
-        "sequential": sequential,
+        "refit": refit if config.stem_layers else "none",
         "table_dtype": table_dtype,
         # Every chunk, calibration and held-out, starts with BOS (the converted model's exact position-0 row needs it).
         "bos_prepended": bos is not None,

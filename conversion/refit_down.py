@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .calibrate import layer_inputs, layer_output, run_to_layers
+from .calibrate import run_to_layers
 
 
 @torch.inference_mode()
@@ -20,50 +20,26 @@ def refit_down(
     stem: nn.Module,
     chunks: list[torch.Tensor],
     ridge: float = 1e-2,
-    layers: list[int] | None = None,
-    feedback: bool = False,
 ) -> None:
-    """Sets `stem`'s STEM layers' `down_proj.weight` (or those of `layers`) from calibration `chunks` run through
-    `dense`. `ridge` scales the pull toward the dense `W_down`, relative to the mean diagonal of the Gram matrix (0:
-    plain least squares).
-
-    With `feedback`, the inputs come from `stem` itself and the target is what brings its residual stream back to the
-    dense model's after the layer: dense layer output minus the STEM model's residual before the FFN. Run layer by
-    layer in order (sequential calibration), each layer then also corrects the drift of the STEM layers before it."""
+    """Sets `stem`'s STEM layers' `down_proj.weight` from calibration `chunks` run through `dense`. `ridge` scales the
+    pull toward the dense `W_down`, relative to the mean diagonal of the Gram matrix (0: plain least squares)."""
     if ridge < 0:
         raise ValueError(f"ridge: {ridge} is negative")
-    layers = stem.config.stem_layers if layers is None else layers
+    layers = stem.config.stem_layers
     inter, hidden = stem.config.intermediate_size, stem.config.hidden_size
     gram = {layer: torch.zeros(inter, inter, dtype=torch.float64) for layer in layers}
     cross = {layer: torch.zeros(inter, hidden, dtype=torch.float64) for layer in layers}
     tables = stem.model.stem_tables
 
-    def accumulate(layer, mlp, x, chunk, target):
-        h = mlp.act_fn(mlp.gate_proj(x)) * tables[str(layer)].weight[chunk].float()
-        gram[layer] += (h.T @ h).double()
-        cross[layer] += (h.T @ target).double()
-
     def collect(layer, mlp, x, chunk):
         s = mlp.act_fn(mlp.gate_proj(x))
-        accumulate(layer, mlp, x, chunk, nn.functional.linear(s * mlp.up_proj(x), mlp.down_proj.weight))  # no bias
+        h = s * tables[str(layer)].weight[chunk].float()
+        gram[layer] += (h.T @ h).double()
+        cross[layer] += (h.T @ nn.functional.linear(s * mlp.up_proj(x), mlp.down_proj.weight)).double()  # no bias
 
-    def solve(layer):
+    run_to_layers(dense, chunks, layers, collect, "refitting W_down")
+    for layer in tqdm(layers, desc="solving W_down", unit="layer"):
         weight = stem.model.layers[layer].mlp.down_proj.weight
         lam = ridge * gram[layer].diagonal().mean()
         system = gram[layer] + lam * torch.eye(inter, dtype=torch.float64)
-        solution = torch.linalg.solve(system, cross[layer] + lam * weight.T.double())
-        weight.copy_(solution.T.to(weight.dtype))
-
-    if not feedback:
-        run_to_layers(dense, chunks, layers, collect, "refitting W_down")
-        for layer in tqdm(layers, desc="solving W_down", unit="layer"):
-            solve(layer)
-    for layer in layers if feedback else ():  # in order, each solved before the next one's inputs are taken
-        mlp = dense.model.layers[layer].mlp
-        for chunk in tqdm(chunks, desc=f"refitting W_down of layer {layer}", unit="chunk"):
-            residual, x = layer_inputs(stem, layer, chunk)
-            target = layer_output(dense, layer, chunk) - residual
-            if mlp.down_proj.bias is not None:
-                target = target - mlp.down_proj.bias
-            accumulate(layer, mlp, x, chunk, target)
-        solve(layer)
+        weight.copy_(torch.linalg.solve(system, cross[layer] + lam * weight.T.double()).T.to(weight.dtype))

@@ -33,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
     )
     convert.add_argument(
-        "--sequential",
-        action="store_true",
-        help="convert one layer at a time, each fit on the partly converted model and refit to the dense residual",
+        "--refit",
+        choices=["none", "plain", "sequential", "all"],
+        help="closed-form refit of output projections after the tables are set (default: all for fitted, else none)",
     )
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
     # Left unset, the healing options take `conversion.heal.heal`'s defaults.

@@ -32,6 +32,16 @@ UNSEEN_ROWS = {
     "xavier": "rows are the random xavier-normal init, not fit to the dense model",
 }
 
+# What conversion refit after the tables were set (conversion/refit_down.py, conversion/feedback.py).
+REFIT_TEXTS = {
+    "none": None,
+    "plain": "`W_down` of the STEM layers refit in closed form to the dense FFN outputs",
+    "sequential": "`W_down` of the STEM layers refit in closed form, layer by layer, to bring the residual stream back "
+    "to the dense model's",
+    "all": "then the output projections (attention `o_proj`, FFN `W_down`) of every layer from the first STEM layer on "
+    "refit in closed form, layer by layer, to bring the residual stream back to the dense model's",
+}
+
 
 def _examples(samples: dict | None) -> str:
     if not samples:
@@ -193,7 +203,7 @@ def render_model_card(
             source_file=file_name if base_model and file_name and file_name != base_model else None,
             source_architecture=report.get("source_architecture", "unknown"),
             init=report.get("init"),
-            refit_down=report.get("refit_down"),
+            refit=REFIT_TEXTS.get(report.get("refit") or ("plain" if report.get("refit_down") else "none")),
             calibration_tokens=f"{report.get('calibration_tokens', 0):,}",
             calibration_data=report.get("calibration_data") or "calibration text",
             distinct_tokens=f"{report.get('distinct_tokens', 0):,}",

@@ -285,7 +285,7 @@ def test_refit_down_is_the_least_squares_down_projection():
     dense = _dense("llama")
     chunks = [torch.tensor([1, *t]) for t in _texts(8, 40, seed=6)]
     stem, report = convert(dense, stem_layers=[2], init="mean", calibration=chunks, table_dtype="float32")
-    assert report["refit_down"] is False
+    assert report["refit"] == "none"
     before = stem.model.layers[2].mlp.down_proj.weight.detach().clone()
     refit_down(dense, stem, chunks, ridge=0.0)
     x, ids = _ffn_inputs(dense, 2, chunks)
@@ -303,21 +303,21 @@ def test_fitted_refits_down_and_lowers_the_layer_error():
     dense = _dense("llama")
     chunks = [torch.tensor([1, *t]) for t in _texts(8, 60, seed=8)]
     errors = {}
-    for refit in (False, True):
+    for refit in ("none", "plain"):
         stem, report = convert(dense, stem_layers=[1], init="fitted", calibration=chunks, refit=refit)
-        assert report["refit_down"] is refit
+        assert report["refit"] == refit
         x, ids = _ffn_inputs(dense, 1, chunks)
         with torch.no_grad():
             mlp = dense.model.layers[1].mlp
             stem_out = stem.model.layers[1].mlp(x, stem.model.stem_tables["1"].weight[ids])
             errors[refit] = (stem_out - mlp(x)).pow(2).sum().item()
-    assert errors[True] < errors[False], errors
+    assert errors["plain"] < errors["none"], errors
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-mlp-bias"])
-def test_sequential_conversion_of_one_layer_is_the_plain_one(kind):
+def test_sequential_refit_of_one_layer_is_the_plain_one(kind):
     """The first STEM layer sees the dense model's inputs either way, and the residual the dense layer adds is its FFN
-    output: sequential calibration changes nothing until a second STEM layer."""
+    output: the sequential refit changes nothing until a second STEM layer."""
     if kind == "llama-mlp-bias":  # the down projection's bias is in the dense layer output, not in the refit target
         torch.manual_seed(0)
         dense = LlamaForCausalLM(LlamaConfig(**SHAPE, mlp_bias=True)).eval()
@@ -328,36 +328,77 @@ def test_sequential_conversion_of_one_layer_is_the_plain_one(kind):
         dense = _dense(kind)
     chunks = [torch.tensor([1, *t]) for t in _texts(6, 50, seed=9)]
     models = [
-        convert(dense, stem_layers=[2], init="fitted", calibration=chunks, table_dtype="float32", sequential=s)[0]
-        for s in (False, True)
+        convert(dense, stem_layers=[2], init="fitted", calibration=chunks, table_dtype="float32", refit=r)[0]
+        for r in ("plain", "sequential")
     ]
     plain, sequential = (m.state_dict() for m in models)
     for name, value in plain.items():
         torch.testing.assert_close(sequential[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_sequential_conversion_brings_the_residual_stream_closer_to_dense():
-    from conversion.calibrate import layer_output
+def _streams(model, chunk: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Per decoder layer on `chunk`: its input, the residual after attention, its output, and what its `o_proj` and
+    `down_proj` multiply."""
+    got = {name: [] for name in ("input", "after_attention", "output", "heads", "features")}
+    handles = []
+    for block in model.model.layers:
+        handles += [
+            block.register_forward_pre_hook(lambda m, a: got["input"].append(a[0][0])),
+            block.post_attention_layernorm.register_forward_pre_hook(
+                lambda m, a: got["after_attention"].append(a[0][0])
+            ),
+            block.register_forward_hook(lambda m, a, out: got["output"].append(out[0])),
+            block.self_attn.o_proj.register_forward_pre_hook(lambda m, a: got["heads"].append(a[0][0])),
+            block.mlp.down_proj.register_forward_pre_hook(lambda m, a: got["features"].append(a[0][0])),
+        ]
+    try:
+        with torch.no_grad():
+            model(chunk[None])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return got
 
+
+def test_refit_along_the_stream_is_the_least_squares_fit_of_each_layer():
+    """With no ridge, every refit projection leaves a residual orthogonal to its inputs as the converted model computes
+    them: each layer is solved on the inputs the layers before it, already refit, give it."""
+    from conversion.feedback import refit_feedback
+
+    dense = _dense("llama")  # attention bias: o_proj has a bias the refit keeps
+    chunks = [torch.tensor([1, *t]) for t in _texts(10, 60, seed=10)]
+    stem, _ = convert(dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", refit="none")
+    refit_feedback(dense, stem, chunks, ridge=0.0, correct_dense=True)
+    runs = [(_streams(stem, c), _streams(dense, c)) for c in chunks]
+    for layer in range(1, SHAPE["num_hidden_layers"]):
+        block = stem.model.layers[layer]
+        pairs = {"down_proj": ("features", "after_attention", "output", block.mlp.down_proj)}
+        if layer > 1:
+            pairs["o_proj"] = ("heads", "input", "after_attention", block.self_attn.o_proj)
+        for name, (feature, base, goal, linear) in pairs.items():
+            features = torch.cat([s[feature][layer] for s, _ in runs])
+            residual = torch.cat([d[goal][layer] - s[base][layer] - linear(s[feature][layer]) for s, d in runs])
+            gradient = (features.T @ residual).norm() / (features.norm() * residual.norm())
+            assert gradient < 1e-3, (layer, name, gradient.item())
+
+
+def test_refits_bring_the_residual_stream_closer_to_dense():
     dense = _dense("llama")
     chunks = [torch.tensor([1, *t]) for t in _texts(8, 60, seed=10)]
-    errors, reports = {}, {}
-    for sequential in (False, True):
-        stem, reports[sequential] = convert(
-            dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", sequential=sequential
+    errors = {}
+    for refit in ("plain", "sequential", "all"):
+        stem, report = convert(
+            dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", refit=refit
         )
-        with torch.no_grad():
-            errors[sequential] = sum(
-                (layer_output(stem, 3, c) - layer_output(dense, 3, c)).pow(2).sum().item() for c in chunks
-            )
-    assert reports[True]["sequential"] and not reports[False]["sequential"]
-    assert reports[True]["vocab_coverage"] == reports[False]["vocab_coverage"]
-    assert errors[True] < 0.9 * errors[False], errors
+        assert report["refit"] == refit
+        runs = [(_streams(stem, c), _streams(dense, c)) for c in chunks]
+        errors[refit] = sum((s["output"][-1] - d["output"][-1]).pow(2).sum().item() for s, d in runs)
+    assert errors["sequential"] < 0.9 * errors["plain"], errors
+    assert errors["all"] < 0.9 * errors["sequential"], errors
 
 
-def test_sequential_conversion_needs_calibration_text_and_something_to_sequence():
-    with pytest.raises(ValueError, match="sequential: sequential calibration needs calibration text"):
-        convert(_dense("llama"), stem_layers=[1], init="projected", sequential=True)
-    chunks = [torch.tensor([1, *t]) for t in _texts(2, 20, seed=11)]
-    with pytest.raises(ValueError, match="sequential: init 'projected' without refit uses no calibration"):
-        convert(_dense("llama"), stem_layers=[1], init="projected", calibration=chunks, sequential=True)
+def test_refit_needs_calibration_text_and_a_known_name():
+    with pytest.raises(ValueError, match="refit 'sequential' needs calibration text"):
+        convert(_dense("llama"), stem_layers=[1], init="projected", refit="sequential")
+    with pytest.raises(ValueError, match="refit: 'feedback' is not one of none, plain, sequential, all"):
+        convert(_dense("llama"), stem_layers=[1], init="projected", refit="feedback")

@@ -64,5 +64,5 @@ def test_healing_smollm2_lowers_held_out_perplexity(smollm2, texts):
         tokenizer=tokenizer,
         heal_tokens=1500,
     )
-    assert report["refit_down"] and report["heal_tokens"] == 1500
+    assert report["refit"] == "all" and report["heal_tokens"] == 1500
     assert report["perplexity_ratio"] < report["perplexity_ratio_before_healing"], report

@@ -1,0 +1,133 @@
+"""Sequential error-feedback refit: the converted model's output projections refit, layer by layer, to bring its
+residual stream back to the dense model's.
+
+A token-indexed row cannot follow the context the way `W_up x` does, so each STEM layer leaves an error in the residual
+stream, and the layers after it see drifted inputs. Both models' residual streams over the calibration text are held in
+memory and advanced one layer at a time; at each layer, before advancing, the output projections are refit in closed
+form (ridge least squares, shrunk toward their current weights) so that the converted stream after each sublayer comes
+as close as a linear map can to the dense stream:
+
+- a STEM layer's `W_down`, with the rows fixed: `y = W_down h`, `h = SiLU(W_gate x) * U[t]`, target the dense residual
+  after the layer minus the converted residual before the FFN;
+- with `correct_dense`, after the first STEM layer also every attention `o_proj` (target: the dense residual after
+  attention minus the converted residual before it) and every dense layer's `W_down`. These layers compute
+  context-dependent features the tables lack, and spend a little of their capacity on undoing the drift.
+
+Each solve sees the inputs its layer will see at inference: the layers before it are already refit. Memory: both
+streams in fp32 (`2 x calibration tokens x hidden x 4` bytes, 230 MB for SmolLM2 at 50k tokens; 1.6 GB for an
+8B Llama) and one fp64 Gram matrix at a time. Compute: about two forwards of each model over the calibration text.
+"""
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers.masking_utils import create_causal_mask
+
+
+class _Stream:
+    """One model's residual stream over every calibration chunk, advanced one decoder layer at a time."""
+
+    def __init__(self, model: nn.Module, chunks: list[torch.Tensor]):
+        self.model, self.chunks = model, chunks
+        inner = model.model
+        self.hidden = [inner.embed_tokens(c[None]) for c in chunks]
+        self.positions = [torch.arange(len(c))[None] for c in chunks]
+        self.rotary = [inner.rotary_emb(h, p) for h, p in zip(self.hidden, self.positions, strict=True)]
+        self.masks = [
+            create_causal_mask(
+                config=model.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=p
+            )
+            for h, p in zip(self.hidden, self.positions, strict=True)
+        ]
+
+    def attend(self, layer: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(o_proj input, residual after attention)` of chunk `k` at `layer`."""
+        block, got = self.model.model.layers[layer], []
+        handle = block.self_attn.o_proj.register_forward_pre_hook(lambda _m, args: got.append(args[0]))
+        try:
+            out, _ = block.self_attn(
+                hidden_states=block.input_layernorm(self.hidden[k]),
+                attention_mask=self.masks[k],
+                position_ids=self.positions[k],
+                position_embeddings=self.rotary[k],
+            )
+        finally:
+            handle.remove()
+        return got[0][0], (self.hidden[k] + out)[0]
+
+
+def _features(block: nn.Module, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """What the FFN's `down_proj` multiplies: `SiLU(W_g x) * U[t]` (STEM) or `SiLU(W_g x) * W_up x` (dense)."""
+    mlp = block.mlp
+    return mlp.act_fn(mlp.gate_proj(x)) * (mlp.up_proj(x) if rows is None else rows.to(x.dtype))
+
+
+class _RidgeFit:
+    """Accumulates `features -> target` over chunks, then sets `linear.weight` to the ridge solution shrunk toward it.
+    The bias, if any, stays: it is subtracted from the target."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+        n_in, n_out = linear.in_features, linear.out_features
+        self.gram = torch.zeros(n_in, n_in, dtype=torch.float64)
+        self.cross = torch.zeros(n_in, n_out, dtype=torch.float64)
+
+    def add(self, features: torch.Tensor, target: torch.Tensor) -> None:
+        features, target = features.float(), target.float()
+        if self.linear.bias is not None:
+            target = target - self.linear.bias.float()
+        self.gram += (features.T @ features).double()
+        self.cross += (features.T @ target).double()
+
+    def solve(self, ridge: float) -> None:
+        weight = self.linear.weight
+        lam = ridge * self.gram.diagonal().mean()
+        system = self.gram + lam * torch.eye(len(self.gram), dtype=torch.float64)
+        weight.copy_(torch.linalg.solve(system, self.cross + lam * weight.T.double()).T.to(weight.dtype))
+
+
+@torch.inference_mode()
+def refit_feedback(
+    dense: nn.Module, stem: nn.Module, chunks: list[torch.Tensor], ridge: float = 1e-2, correct_dense: bool = True
+) -> None:
+    """Refits `stem`'s output projections in place (see the module docstring) on calibration `chunks` (1-D token id
+    tensors, each run as one sequence) run through both models. `ridge` scales the pull toward the current weights,
+    relative to the mean diagonal of each Gram matrix."""
+    if ridge < 0:
+        raise ValueError(f"ridge: {ridge} is negative")
+    stem_layers = set(stem.config.stem_layers)
+    if not stem_layers or not chunks:
+        return
+    first = min(stem_layers)
+    last = stem.config.num_hidden_layers - 1 if correct_dense else max(stem_layers)
+    streams = _Stream(dense, chunks), _Stream(stem, chunks)
+    tables = stem.model.stem_tables
+    for layer in tqdm(range(last + 1), desc="refitting along the residual stream", unit="layer"):
+        dense_block, stem_block = dense.model.layers[layer], stem.model.layers[layer]
+        dense_after_attn, dense_after = [], []
+        for k in range(len(chunks)):
+            _, residual = streams[0].attend(layer, k)
+            dense_after_attn.append(residual)
+            dense_after.append(residual + dense_block.mlp(dense_block.post_attention_layernorm(residual)))
+        if correct_dense and layer > first:  # at or before the first STEM layer the streams agree: nothing to undo
+            fit = _RidgeFit(stem_block.self_attn.o_proj)
+            for k in range(len(chunks)):
+                heads, _ = streams[1].attend(layer, k)
+                fit.add(heads, dense_after_attn[k] - streams[1].hidden[k][0])
+            fit.solve(ridge)
+        refit_ffn = layer in stem_layers or (correct_dense and layer > first)
+        fit = _RidgeFit(stem_block.mlp.down_proj) if refit_ffn else None
+        features, residuals = [], []
+        for k, chunk in enumerate(chunks):
+            _, residual = streams[1].attend(layer, k)
+            x = stem_block.post_attention_layernorm(residual)
+            h = _features(stem_block, x, tables[str(layer)].weight[chunk] if layer in stem_layers else None)
+            if fit is not None:
+                fit.add(h, dense_after[k] - residual)
+            features.append(h)
+            residuals.append(residual)
+        if fit is not None:
+            fit.solve(ridge)
+        for k in range(len(chunks)):
+            streams[1].hidden[k] = (residuals[k] + stem_block.mlp.down_proj(features[k]))[None]
+            streams[0].hidden[k] = dense_after[k][None]
