@@ -109,17 +109,18 @@ def refit_feedback(
             _, residual = streams[0].attend(layer, k)
             dense_after_attn.append(residual)
             dense_after.append(residual + dense_block.mlp(dense_block.post_attention_layernorm(residual)))
+        heads = [streams[1].attend(layer, k)[0] for k in range(len(chunks))]
+        o_proj = stem_block.self_attn.o_proj
         if correct_dense and layer > first:  # at or before the first STEM layer the streams agree: nothing to undo
-            fit = _RidgeFit(stem_block.self_attn.o_proj)
+            fit = _RidgeFit(o_proj)
             for k in range(len(chunks)):
-                heads, _ = streams[1].attend(layer, k)
-                fit.add(heads, dense_after_attn[k] - streams[1].hidden[k][0])
+                fit.add(heads[k], dense_after_attn[k] - streams[1].hidden[k][0])
             fit.solve(ridge)
         refit_ffn = layer in stem_layers or (correct_dense and layer > first)
         fit = _RidgeFit(stem_block.mlp.down_proj) if refit_ffn else None
         features, residuals = [], []
         for k, chunk in enumerate(chunks):
-            _, residual = streams[1].attend(layer, k)
+            residual = streams[1].hidden[k][0] + o_proj(heads[k])
             x = stem_block.post_attention_layernorm(residual)
             h = _features(stem_block, x, tables[str(layer)].weight[chunk] if layer in stem_layers else None)
             if fit is not None:

@@ -3,7 +3,8 @@ calibration text.
 
 Progressive conversion: during healing each STEM layer computes `W_d(SiLU(W_g x) * (a W_up x + (1 - a) U[t]))`, the
 dense up-projection borrowed from the source (and `W_d` blended likewise from the dense one to the refit one, see
-`StemBlendMLP`). At `a = 1` the model is exactly the dense one; `a` falls linearly from just below 1 (at `a = 1` the
+`StemBlendMLP`; so are the other weights conversion refit, see `StemBlendWeight`). At `a = 1` the model is exactly the
+dense one; `a` falls linearly from just below 1 (at `a = 1` the
 tables would get no gradient) to 0 over the first `anneal` share of the steps, so the model never falls off a cliff; the
 rest of the budget trains the pure STEM model. The blend is removed at the end: the result has no `W_up`. An
 interrupted healing keeps what it trained so far (rows, and weights trained while `a > 0`).
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from tqdm import tqdm
 
 TRAINABLE = ("tables", "ffn", "all")
@@ -49,6 +51,21 @@ class StemBlendMLP(nn.Module):
         return F.linear(self.act_fn(self.gate_proj(x)) * up, weight, bias)
 
 
+class StemBlendWeight(nn.Module):
+    """A parametrization of a weight conversion refit outside the STEM FFNs (attention `o_proj`, the dense layers'
+    `W_down`: `conversion.feedback`): `a * source + (1 - a) * weight`, so that at `a = 1` the whole model is the source.
+    Gradients reach the refit weight itself, scaled by `1 - a`."""
+
+    def __init__(self, source: torch.Tensor):
+        super().__init__()
+        self.source = (source,)  # a tuple: not a buffer of the model it parametrizes
+        self.blend = 1.0
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        a = self.blend
+        return weight if a == 0 else a * self.source[0] + (1.0 - a) * weight
+
+
 class StemCompactTable(nn.Module):
     """Stands in for a table during healing: the rows of `tokens` as one trainable fp32 `weight`
     (`[len(tokens), d_ff]`, on `device`), every other row read from the frozen table. So the model stays valid for any
@@ -75,13 +92,14 @@ class StemCompactTable(nn.Module):
 
 
 class BlendedStem:
-    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up- and down-projections, and the rows of
-    `tokens` in `stem`'s tables train as compact fp32 copies (`StemCompactTable`). On exit the trained rows are written
-    back into the tables and the STEM layers are restored, also after an error."""
+    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up- and down-projections, every other
+    linear weight that differs from `dense`'s is blended with it (`StemBlendWeight`), and the rows of `tokens` in
+    `stem`'s tables train as compact fp32 copies (`StemCompactTable`). On exit the trained rows are written back into
+    the tables and the STEM layers and weights are restored, also after an error."""
 
     def __init__(self, dense: nn.Module, stem: nn.Module, tokens: torch.Tensor):
         self.dense, self.stem, self.tokens = dense, stem, tokens
-        self.saved, self.mlps, self.compact = {}, [], nn.ModuleList()
+        self.saved, self.mlps, self.compact, self.weights = {}, [], nn.ModuleList(), []
 
     def __enter__(self) -> "BlendedStem":
         layers, tables = self.stem.model.layers, self.stem.model.stem_tables
@@ -95,14 +113,27 @@ class BlendedStem:
                 layers[layer].mlp, tables[key] = blend, compact
                 self.mlps.append(blend)
                 self.compact.append(compact)
+            stem_ffns = tuple(f"model.layers.{key}.mlp." for key in tables)  # blended by StemBlendMLP
+            sources = dict(self.dense.named_modules())
+            for name, module in self.stem.named_modules():
+                source = sources.get(name)
+                if (
+                    isinstance(module, nn.Linear)
+                    and isinstance(source, nn.Linear)
+                    and not name.startswith(stem_ffns)
+                    and not torch.equal(module.weight, source.weight)
+                ):
+                    blend = StemBlendWeight(source.weight)
+                    parametrize.register_parametrization(module, "weight", blend)
+                    self.weights.append((module, blend))
         except BaseException:
             self._restore(write_back=False)
             raise
         return self
 
     def set_blend(self, a: float) -> None:
-        for mlp in self.mlps:
-            mlp.blend = a
+        for blend in (*self.mlps, *(blend for _, blend in self.weights)):
+            blend.blend = a
 
     def __exit__(self, *exc) -> None:
         self._restore(write_back=True)
@@ -118,6 +149,9 @@ class BlendedStem:
         finally:
             for key, (table, mlp) in self.saved.items():
                 layers[int(key)].mlp, tables[key] = mlp, table
+            for module, _ in self.weights:  # the refit weight, as trained, is the module's weight again
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            self.weights.clear()
 
 
 def _trainable(stem: nn.Module, train: str) -> list[nn.Parameter]:

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from test_conversion import _dense, _texts
+from torch.nn.utils import parametrize
 
 from conversion import convert
 from conversion.heal import BlendedStem, StemBlendMLP, distillation_loss, heal
@@ -45,6 +46,11 @@ def test_the_blend_at_one_is_the_dense_model_and_at_zero_the_stem_model():
         stem_logits = stem(ids).logits
         with BlendedStem(dense, stem, torch.tensor([1, 5, 9])) as blend:  # other rows: read from the tables
             assert all(isinstance(stem.model.layers[i].mlp, StemBlendMLP) for i in (1, 2))
+            # the default refit changed o_proj after the first STEM layer and the dense layer 3's W_down: blended too
+            assert {f"model.{n}" for n in ("layers.2.self_attn.o_proj", "layers.3.self_attn.o_proj")} <= {
+                name for name, m in stem.named_modules() if parametrize.is_parametrized(m, "weight")
+            }
+            assert parametrize.is_parametrized(stem.model.layers[3].mlp.down_proj, "weight")
             blend.set_blend(1.0)
             assert (stem(ids).logits - dense(ids).logits).abs().max() < 1e-5
             blend.set_blend(0.0)
@@ -55,6 +61,7 @@ def test_the_blend_at_one_is_the_dense_model_and_at_zero_the_stem_model():
     # Restored: STEM layers without W_up, the original table modules.
     assert all(isinstance(stem.model.layers[i].mlp, StemTableMLP) for i in (1, 2))
     assert not any("up_proj" in k for k in stem.state_dict() if k.startswith(("model.layers.1.", "model.layers.2.")))
+    assert not any("parametrizations" in k for k in stem.state_dict())
     with torch.no_grad():
         assert torch.equal(stem(ids).logits, stem_logits)
 
