@@ -1,5 +1,6 @@
-"""`make demo`: converts the embedded SmolLM2-135M to STEM-1/3 (fitted tables, refit `W_down`, a short healing), saves
-it with table shards, loads it back through `trust_remote_code`, and compares it with the dense model."""
+"""`make demo`: converts the embedded SmolLM2-135M to STEM-1/3 (fitted tables, output projections refit along the
+residual stream, a short healing), saves it with table shards, loads it back through `trust_remote_code`, and compares
+it with the dense model."""
 
 import json
 import os

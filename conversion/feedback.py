@@ -27,11 +27,16 @@ from transformers.masking_utils import create_causal_mask
 class _Stream:
     """One model's residual stream over every calibration chunk, advanced one decoder layer at a time."""
 
-    def __init__(self, model: nn.Module, chunks: list[torch.Tensor]):
+    def __init__(self, model: nn.Module, chunks: list[torch.Tensor], hidden: list[torch.Tensor] | None = None):
         self.model, self.chunks = model, chunks
         inner = model.model
-        self.hidden = [inner.embed_tokens(c[None]) for c in chunks]
-        self.positions = [torch.arange(len(c))[None] for c in chunks]
+        weight = inner.embed_tokens.weight
+        device = weight.device
+        if hidden is None:
+            self.hidden = [inner.embed_tokens(c[None].to(device)) for c in chunks]
+        else:  # another model's stream, taken over where the two still agree
+            self.hidden = [h.to(device, weight.dtype, copy=True) for h in hidden]
+        self.positions = [torch.arange(len(c), device=device)[None] for c in chunks]
         self.rotary = [inner.rotary_emb(h, p) for h, p in zip(self.hidden, self.positions, strict=True)]
         self.masks = [
             create_causal_mask(
@@ -56,10 +61,12 @@ class _Stream:
         return got[0][0], (self.hidden[k] + out)[0]
 
 
-def _features(block: nn.Module, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """What the FFN's `down_proj` multiplies: `SiLU(W_g x) * U[t]` (STEM) or `SiLU(W_g x) * W_up x` (dense)."""
-    mlp = block.mlp
-    return mlp.act_fn(mlp.gate_proj(x)) * (mlp.up_proj(x) if rows is None else rows.to(x.dtype))
+def _features(block: nn.Module, residual: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """What the FFN's `down_proj` multiplies, from the residual after attention: `SiLU(W_g x) * U[t]` (STEM) or
+    `SiLU(W_g x) * W_up x` (dense), `x` the normed residual. Recomputed when needed rather than kept: `[tokens, d_ff]`
+    per chunk is the largest tensor of the pass."""
+    mlp, x = block.mlp, block.post_attention_layernorm(residual)
+    return mlp.act_fn(mlp.gate_proj(x)) * (mlp.up_proj(x) if rows is None else rows.to(x.device, x.dtype))
 
 
 class _RidgeFit:
@@ -76,14 +83,15 @@ class _RidgeFit:
         features, target = features.float(), target.float()
         if self.linear.bias is not None:
             target = target - self.linear.bias.float()
-        self.gram += (features.T @ features).double()
-        self.cross += (features.T @ target).double()
+        self.gram += (features.T @ features).double().cpu()
+        self.cross += (features.T @ target).double().cpu()
 
     def solve(self, ridge: float) -> None:
         weight = self.linear.weight
         lam = ridge * self.gram.diagonal().mean()
-        system = self.gram + lam * torch.eye(len(self.gram), dtype=torch.float64)
-        weight.copy_(torch.linalg.solve(system, self.cross + lam * weight.T.double()).T.to(weight.dtype))
+        self.gram.diagonal().add_(lam)  # in place: at 8B scale the Gram matrix alone is 1.6 GB
+        solution = torch.linalg.solve(self.gram, self.cross + lam * weight.T.double().cpu())
+        weight.copy_(solution.T.to(weight.device, weight.dtype))
 
 
 @torch.inference_mode()
@@ -100,35 +108,41 @@ def refit_feedback(
         return
     first = min(stem_layers)
     last = stem.config.num_hidden_layers - 1 if correct_dense else max(stem_layers)
-    streams = _Stream(dense, chunks), _Stream(stem, chunks)
+    dense_stream, stem_stream = _Stream(dense, chunks), None  # the two agree up to the first STEM layer
     tables = stem.model.stem_tables
     for layer in tqdm(range(last + 1), desc="refitting along the residual stream", unit="layer"):
         dense_block, stem_block = dense.model.layers[layer], stem.model.layers[layer]
-        dense_after_attn, dense_after = [], []
+        if layer == first:
+            stem_stream = _Stream(stem, chunks, hidden=dense_stream.hidden)
+        refit_attention = correct_dense and layer > first  # at the first STEM layer the streams still agree
+        dense_after_attention = []
         for k in range(len(chunks)):
-            _, residual = streams[0].attend(layer, k)
-            dense_after_attn.append(residual)
-            dense_after.append(residual + dense_block.mlp(dense_block.post_attention_layernorm(residual)))
-        heads = [streams[1].attend(layer, k)[0] for k in range(len(chunks))]
+            _, residual = dense_stream.attend(layer, k)
+            if refit_attention:
+                dense_after_attention.append(residual)
+            dense_stream.hidden[k] = (residual + dense_block.mlp(dense_block.post_attention_layernorm(residual)))[None]
+        if stem_stream is None:
+            continue
+        hidden = stem_stream.hidden
         o_proj = stem_block.self_attn.o_proj
-        if correct_dense and layer > first:  # at or before the first STEM layer the streams agree: nothing to undo
+        heads = [stem_stream.attend(layer, k)[0] for k in range(len(chunks))]
+        if refit_attention:
             fit = _RidgeFit(o_proj)
-            for k in range(len(chunks)):
-                fit.add(heads[k], dense_after_attn[k] - streams[1].hidden[k][0])
+            for k, target in enumerate(dense_after_attention):
+                fit.add(heads[k], target.to(hidden[k]) - hidden[k][0])
             fit.solve(ridge)
-        refit_ffn = layer in stem_layers or (correct_dense and layer > first)
-        fit = _RidgeFit(stem_block.mlp.down_proj) if refit_ffn else None
-        features, residuals = [], []
-        for k, chunk in enumerate(chunks):
-            residual = streams[1].hidden[k][0] + o_proj(heads[k])
-            x = stem_block.post_attention_layernorm(residual)
-            h = _features(stem_block, x, tables[str(layer)].weight[chunk] if layer in stem_layers else None)
-            if fit is not None:
-                fit.add(h, dense_after[k] - residual)
-            features.append(h)
-            residuals.append(residual)
-        if fit is not None:
-            fit.solve(ridge)
+        del dense_after_attention
         for k in range(len(chunks)):
-            streams[1].hidden[k] = (residuals[k] + stem_block.mlp.down_proj(features[k]))[None]
-            streams[0].hidden[k] = dense_after[k][None]
+            hidden[k] = hidden[k] + o_proj(heads[k])  # the residual after attention, what the FFN output is added to
+        del heads
+
+        table = tables[str(layer)].weight if layer in stem_layers else None
+        if layer in stem_layers or refit_attention:
+            fit = _RidgeFit(stem_block.mlp.down_proj)
+            for k, chunk in enumerate(chunks):
+                h = _features(stem_block, hidden[k][0], None if table is None else table[chunk])
+                fit.add(h, dense_stream.hidden[k][0].to(hidden[k]) - hidden[k][0])
+            fit.solve(ridge)
+        for k, chunk in enumerate(chunks):
+            h = _features(stem_block, hidden[k], None if table is None else table[chunk][None])
+            hidden[k] = hidden[k] + stem_block.mlp.down_proj(h)

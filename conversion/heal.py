@@ -53,8 +53,8 @@ class StemBlendMLP(nn.Module):
 
 class StemBlendWeight(nn.Module):
     """A parametrization of a weight conversion refit outside the STEM FFNs (attention `o_proj`, the dense layers'
-    `W_down`: `conversion.feedback`): `a * source + (1 - a) * weight`, so that at `a = 1` the whole model is the source.
-    Gradients reach the refit weight itself, scaled by `1 - a`."""
+    `W_down`: `conversion.feedback`): `a * source + (1 - a) * weight`, so that at `a = 1` a freshly converted model is
+    the source. Gradients reach the refit weight itself, scaled by `1 - a`."""
 
     def __init__(self, source: torch.Tensor):
         super().__init__()
@@ -113,16 +113,15 @@ class BlendedStem:
                 layers[layer].mlp, tables[key] = blend, compact
                 self.mlps.append(blend)
                 self.compact.append(compact)
-            stem_ffns = tuple(f"model.layers.{key}.mlp." for key in tables)  # blended by StemBlendMLP
-            sources = dict(self.dense.named_modules())
-            for name, module in self.stem.named_modules():
-                source = sources.get(name)
-                if (
-                    isinstance(module, nn.Linear)
-                    and isinstance(source, nn.Linear)
-                    and not name.startswith(stem_ffns)
-                    and not torch.equal(module.weight, source.weight)
-                ):
+            # What the refit changes: every o_proj, the dense layers' W_down (the STEM layers' is StemBlendMLP's). Other
+            # weights a second healing may find changed stay as they are: blending one of two tied weights would untie
+            # them.
+            refit = [f"model.layers.{i}.self_attn.o_proj" for i in range(len(layers))]
+            refit += [f"model.layers.{i}.mlp.down_proj" for i in range(len(layers)) if str(i) not in tables]
+            sources, modules = dict(self.dense.named_modules()), dict(self.stem.named_modules())
+            for name in refit:
+                module, source = modules[name], sources.get(name)
+                if isinstance(source, nn.Linear) and not torch.equal(module.weight, source.weight):
                     blend = StemBlendWeight(source.weight)
                     parametrize.register_parametrization(module, "weight", blend)
                     self.weights.append((module, blend))

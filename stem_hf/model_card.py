@@ -38,9 +38,17 @@ REFIT_TEXTS = {
     "plain": "`W_down` of the STEM layers refit in closed form to the dense FFN outputs",
     "sequential": "`W_down` of the STEM layers refit in closed form, layer by layer, to bring the residual stream back "
     "to the dense model's",
-    "all": "then the output projections (attention `o_proj`, FFN `W_down`) of every layer from the first STEM layer on "
-    "refit in closed form, layer by layer, to bring the residual stream back to the dense model's",
+    "all": "then, layer by layer, the STEM layers' `W_down` and the output projections (attention `o_proj`, FFN "
+    "`W_down`) of every layer after the first STEM layer refit in closed form to bring the residual stream back to the "
+    "dense model's",
 }
+
+
+def _legacy_refit(report: dict) -> str:
+    """The `refit` of a report written before it existed (`refit_down` and `sequential` flags)."""
+    if not report.get("refit_down"):
+        return "none"
+    return "sequential" if report.get("sequential") else "plain"
 
 
 def _examples(samples: dict | None) -> str:
@@ -203,7 +211,7 @@ def render_model_card(
             source_file=file_name if base_model and file_name and file_name != base_model else None,
             source_architecture=report.get("source_architecture", "unknown"),
             init=report.get("init"),
-            refit=REFIT_TEXTS.get(report.get("refit") or ("plain" if report.get("refit_down") else "none")),
+            refit=REFIT_TEXTS.get(report.get("refit") or _legacy_refit(report)),
             calibration_tokens=f"{report.get('calibration_tokens', 0):,}",
             calibration_data=report.get("calibration_data") or "calibration text",
             distinct_tokens=f"{report.get('distinct_tokens', 0):,}",

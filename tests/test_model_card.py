@@ -146,3 +146,25 @@ def test_a_corrupt_report_is_a_warning_on_save_and_an_error_when_asked(tmp_path,
     with pytest.raises(OSError):
         render_model_card(tmp_path / "nowhere")
     assert isinstance(StemConfig.from_pretrained(folder), StemConfig)
+
+
+@pytest.mark.parametrize(
+    ("report", "says"),
+    [
+        ({"refit": "all"}, "of every layer after the first STEM layer refit in closed form"),
+        ({"refit": "plain"}, "refit in closed form to the dense FFN outputs"),
+        ({"refit_down": True, "sequential": True}, "refit in closed form, layer by layer"),  # reports before `refit`
+        ({"refit_down": True}, "refit in closed form to the dense FFN outputs"),
+        ({"refit": "none"}, None),
+    ],
+)
+def test_the_card_says_which_refit_ran(tmp_path, report, says):
+    folder = tmp_path / "ckpt"
+    tiny_model().save_pretrained(folder)
+    (folder / "conversion_report.json").write_text(json.dumps({"source": "somewhere", "init": "fitted", **report}))
+    text = str(render_model_card(folder))
+    assert "tables initialized with `fitted`" in text
+    if says is None:
+        assert "refit" not in text.split("tables initialized with")[1].split("\n")[0]
+    else:
+        assert says in text
