@@ -3,6 +3,7 @@ healing, and along healing runs from the best init and from xavier. Prints JSON 
 
 Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--inits fitted ...] [--heal-tokens N]
        [--heal-ratios 1/3] [--plot PNG] [--json PATH]
+       python benchmarks/bench_conversion.py --replot RUN.json [RUN.json ...] --plot PNG
 
 Calibration (and healing) text and held-out text are disjoint documents of the bundled corpus (conversion/assets.py).
 A healing curve is one run of `--heal-tokens` tokens, evaluated on the held-out text at `--eval-every` tokens once the
@@ -39,26 +40,44 @@ def tokens_to_reach(curve: list[dict], ratio: float) -> int | None:
     return next((point["tokens"] for point in curve if point["over_dense"] <= ratio), None)
 
 
-def plot(healing: list[dict], dense_ppl: float, path: str) -> None:
+def plot(runs: list[tuple[str, dict]], dense_ppl: float, path: str) -> None:
+    """Healing curves of `runs`: `(label suffix, healing run)` pairs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in healing:
+    for suffix, run in runs:
         points = [(0, run["before"])] + [(p["tokens"], p["over_dense"]) for p in run["curve"]]
-        ax.plot(*zip(*points, strict=True), marker="o", label=f"STEM-{run['ratio']} from {run['init']}")
+        label = f"STEM-{run['ratio']} from {run['init']}{suffix}"
+        ax.plot(*zip(*points, strict=True), marker="o", label=label)
     for level, style in ((1.15, ":"), (1.5, "--")):
         ax.axhline(level, color="grey", linestyle=style, linewidth=1)
         ax.text(0, level, f" {level}x dense", va="bottom", color="grey", fontsize=8)
     ax.set_yscale("log")
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis(FormatStrFormatter("%gx"))
     ax.set_xlabel("healing tokens (KL distillation from the dense model)")
     ax.set_ylabel("held-out perplexity / dense")
     ax.set_title(f"SmolLM2-135M -> STEM: healing (dense perplexity {dense_ppl:.1f})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def replot(paths: list[str], out: str) -> None:
+    """Draws the healing curves of saved runs (`--json` files) in one figure; each curve names its file when there are
+    several, since an init's recipe may differ between runs."""
+    runs, dense_ppl = [], None
+    for path in paths:
+        with open(path) as f:
+            summary = json.load(f)
+        dense_ppl = summary["dense_perplexity"]
+        suffix = f" ({os.path.splitext(os.path.basename(path))[0]})" if len(paths) > 1 else ""
+        runs += [(suffix, run) for run in summary["healing"]]
+    plot(runs, dense_ppl, out)
 
 
 def healing_run(dense, stem, chunks, heldout, dense_ppl: float, args) -> dict:
@@ -103,7 +122,11 @@ def main() -> None:
     parser.add_argument("--heal-train", default="all", choices=["tables", "ffn", "all"])
     parser.add_argument("--plot", default="benchmarks/results/healing.png", help="where the healing curves go")
     parser.add_argument("--json", help="also write the summary to this file")
+    parser.add_argument("--replot", nargs="+", metavar="JSON", help="only redraw --plot from saved --json files")
     args = parser.parse_args()
+    if args.replot:
+        replot(args.replot, args.plot)
+        return
 
     torch.set_flush_denormal(True)
     texts = corpora()
@@ -157,7 +180,7 @@ def main() -> None:
     if healing:
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         summary["plot"] = args.plot
-        plot(healing, dense_ppl, args.plot)
+        plot([("", run) for run in healing], dense_ppl, args.plot)
     print(json.dumps(summary, indent=2))
     if args.json:
         with open(args.json + ".tmp", "w") as f:

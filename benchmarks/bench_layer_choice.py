@@ -1,6 +1,7 @@
 """Which layers to convert: evenly spaced (what "1/3" and "1/2" resolve to) against the layers that cost least when
-converted alone. Converts every layer but 0 of SmolLM2-135M once (`fitted`, `W_down` refit: each layer's rows and refit
-depend only on dense activations, so any subset of them is that subset's own conversion), scores each layer alone on
+converted alone. Converts every layer but 0 of SmolLM2-135M once (`fitted` with the `plain` `W_down` refit: each layer's
+rows and refit depend only on dense activations, so any subset of them is that subset's own conversion; the default
+`all` refit depends on which layers are converted), scores each layer alone on
 calibration-side text held apart from the calibration tokens, then scores both choices on the held-out text.
 
 Usage: python benchmarks/bench_layer_choice.py [--calibration-tokens 50000] [--out FILE]
@@ -50,6 +51,7 @@ def main() -> None:
         dense,
         stem_layers=every,
         init="fitted",
+        refit="plain",
         calibration=texts["calibration"],
         calibration_tokens=args.calibration_tokens,
         tokenizer=tokenizer,

@@ -13,9 +13,12 @@ as close as a linear map can to the dense stream:
   attention minus the converted residual before it) and every dense layer's `W_down`. These layers compute
   context-dependent features the tables lack, and spend a little of their capacity on undoing the drift.
 
-Each solve sees the inputs its layer will see at inference: the layers before it are already refit. Memory: both
-streams in fp32 (`2 x calibration tokens x hidden x 4` bytes, 230 MB for SmolLM2 at 50k tokens; 1.6 GB for an
-8B Llama) and one fp64 Gram matrix at a time. Compute: about two forwards of each model over the calibration text.
+Each solve sees the inputs its layer will see at inference: the layers before it are already refit. Memory, in the
+models' dtype: the two streams plus, during one layer, its attention outputs and the dense stream after attention,
+about `4 x calibration tokens x hidden` values (460 MB for SmolLM2 at 50k fp32 tokens; 3.3 GB for an 8B Llama), and
+one fp64 `d_ff x (d_ff + hidden)` system at a time (21 MB; 2.1 GB). Both models are run where they are, on the
+calibration chunks in full. Compute: about two forwards of each model over the calibration text, plus the Gram
+matrices.
 """
 
 import torch
