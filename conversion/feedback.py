@@ -117,11 +117,11 @@ def refit_feedback(
         dense_block, stem_block = dense.model.layers[layer], stem.model.layers[layer]
         if layer == first:
             stem_stream = _Stream(stem, chunks, hidden=dense_stream.hidden)
-        refit_attention = correct_dense and layer > first  # at the first STEM layer the streams still agree
+        correct = correct_dense and layer > first  # o_proj and dense W_down; at the first STEM layer the streams agree
         dense_after_attention = []
         for k in range(len(chunks)):
             _, residual = dense_stream.attend(layer, k)
-            if refit_attention:
+            if correct:
                 dense_after_attention.append(residual)
             dense_stream.hidden[k] = (residual + dense_block.mlp(dense_block.post_attention_layernorm(residual)))[None]
         if stem_stream is None:
@@ -129,7 +129,7 @@ def refit_feedback(
         hidden = stem_stream.hidden
         o_proj = stem_block.self_attn.o_proj
         heads = [stem_stream.attend(layer, k)[0] for k in range(len(chunks))]
-        if refit_attention:
+        if correct:
             fit = _RidgeFit(o_proj)
             for k, target in enumerate(dense_after_attention):
                 fit.add(heads[k], target.to(hidden[k]) - hidden[k][0])
@@ -140,7 +140,7 @@ def refit_feedback(
         del heads
 
         table = tables[str(layer)].weight if layer in stem_layers else None
-        if layer in stem_layers or refit_attention:
+        if layer in stem_layers or correct:
             fit = _RidgeFit(stem_block.mlp.down_proj)
             for k, chunk in enumerate(chunks):
                 h = _features(stem_block, hidden[k][0], None if table is None else table[chunk])

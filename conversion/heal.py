@@ -92,10 +92,11 @@ class StemCompactTable(nn.Module):
 
 
 class BlendedStem:
-    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up- and down-projections, every other
-    linear weight that differs from `dense`'s is blended with it (`StemBlendWeight`), and the rows of `tokens` in
-    `stem`'s tables train as compact fp32 copies (`StemCompactTable`). On exit the trained rows are written back into
-    the tables and the STEM layers and weights are restored, also after an error."""
+    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up- and down-projections, the other
+    weights the refit changes (every `o_proj`, the dense layers' `W_down`) are blended with `dense`'s where they differ
+    (`StemBlendWeight`), and the rows of `tokens` in `stem`'s tables train as compact fp32 copies (`StemCompactTable`).
+    On exit the trained rows are written back into the tables and the STEM layers and weights are restored, also after
+    an error."""
 
     def __init__(self, dense: nn.Module, stem: nn.Module, tokens: torch.Tensor):
         self.dense, self.stem, self.tokens = dense, stem, tokens
