@@ -72,7 +72,7 @@ def _features(block: nn.Module, residual: torch.Tensor, rows: torch.Tensor | Non
     return mlp.act_fn(mlp.gate_proj(x)) * (mlp.up_proj(x) if rows is None else rows.to(x.device, x.dtype))
 
 
-class _RidgeFit:
+class RidgeFit:
     """Accumulates `features -> target` over chunks, then sets `linear.weight` to the ridge solution shrunk toward it.
     The bias, if any, stays: it is subtracted from the target."""
 
@@ -130,7 +130,7 @@ def refit_feedback(
         o_proj = stem_block.self_attn.o_proj
         heads = [stem_stream.attend(layer, k)[0] for k in range(len(chunks))]
         if correct:
-            fit = _RidgeFit(o_proj)
+            fit = RidgeFit(o_proj)
             for k, target in enumerate(dense_after_attention):
                 fit.add(heads[k], target.to(hidden[k]) - hidden[k][0])
             fit.solve(ridge)
@@ -141,7 +141,7 @@ def refit_feedback(
 
         table = tables[str(layer)].weight if layer in stem_layers else None
         if layer in stem_layers or correct:
-            fit = _RidgeFit(stem_block.mlp.down_proj)
+            fit = RidgeFit(stem_block.mlp.down_proj)
             for k, chunk in enumerate(chunks):
                 h = _features(stem_block, hidden[k][0], None if table is None else table[chunk])
                 fit.add(h, dense_stream.hidden[k][0].to(hidden[k]) - hidden[k][0])

@@ -12,6 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .calibrate import run_to_layers
+from .feedback import RidgeFit
 
 
 @torch.inference_mode()
@@ -26,20 +27,14 @@ def refit_down(
     if ridge < 0:
         raise ValueError(f"ridge: {ridge} is negative")
     layers = stem.config.stem_layers
-    inter, hidden = stem.config.intermediate_size, stem.config.hidden_size
-    gram = {layer: torch.zeros(inter, inter, dtype=torch.float64) for layer in layers}
-    cross = {layer: torch.zeros(inter, hidden, dtype=torch.float64) for layer in layers}
     tables = stem.model.stem_tables
+    fits = {layer: RidgeFit(stem.model.layers[layer].mlp.down_proj) for layer in layers}
 
     def collect(layer, mlp, x, chunk):
         s = mlp.act_fn(mlp.gate_proj(x))
-        h = s * tables[str(layer)].weight[chunk].float()
-        gram[layer] += (h.T @ h).double()
-        cross[layer] += (h.T @ nn.functional.linear(s * mlp.up_proj(x), mlp.down_proj.weight)).double()  # no bias
+        # The target keeps the dense bias, which the fit takes off again: the STEM layer kept that same bias.
+        fits[layer].add(s * tables[str(layer)].weight[chunk].float(), mlp.down_proj(s * mlp.up_proj(x)))
 
     run_to_layers(dense, chunks, layers, collect, "refitting W_down")
     for layer in tqdm(layers, desc="solving W_down", unit="layer"):
-        weight = stem.model.layers[layer].mlp.down_proj.weight
-        lam = ridge * gram[layer].diagonal().mean()
-        system = gram[layer] + lam * torch.eye(inter, dtype=torch.float64)
-        weight.copy_(torch.linalg.solve(system, cross[layer] + lam * weight.T.double()).T.to(weight.dtype))
+        fits[layer].solve(ridge)
