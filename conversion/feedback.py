@@ -31,7 +31,7 @@ class _Stream:
     """One model's residual stream over every calibration chunk, advanced one decoder layer at a time."""
 
     def __init__(self, model: nn.Module, chunks: list[torch.Tensor], hidden: list[torch.Tensor] | None = None):
-        self.model, self.chunks = model, chunks
+        self.model = model
         inner = model.model
         weight = inner.embed_tokens.weight
         device = weight.device
