@@ -38,9 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="closed-form refit of output projections after the tables are set (default: all for fitted, else none)",
     )
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
-    # Left unset, the healing options take `conversion.heal.heal`'s defaults.
+    # Left unset, the healing options take `conversion.heal`'s defaults (the anneal's by init: `ANNEAL`).
     convert.add_argument("--heal-train", choices=("tables", "ffn", "all"), help="what healing trains (default: all)")
-    convert.add_argument("--heal-anneal", type=float, help="share of the healing steps that blend W_up out")
+    convert.add_argument(
+        "--heal-anneal", type=float, help="share of the healing steps that blend W_up out (default: 0 for fitted, mean)"
+    )
     convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
     convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
     convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")

@@ -175,6 +175,7 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
     assert curve and curve[-1][0] == 1200 and curve[-1][1] == 0.0
     saved = json.loads((tmp_path / "conversion_report.json").read_text())
     assert saved["heal_tokens"] == 1200 and saved["heal_train"] == "all" and saved["heal_anneal"] == 0.25
+    assert saved["heal_text"].endswith("(too short: followed by the calibration tokens again)")  # all text calibrated
     # The report's "after" is the returned (and saved) model's; "before" is what it was before healing.
     chunks = chunk_texts(heldout, None, 1, 60, None)
     assert saved["heldout_perplexity_stem"] == pytest.approx(perplexity(stem, chunks), rel=1e-6)
@@ -184,3 +185,33 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
     )
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     assert not [k for k in index if k.startswith(("model.layers.1.mlp.up_proj", "model.layers.3.mlp.up_proj"))]
+
+
+def test_healing_text_follows_the_calibration_tokens():
+    from conversion.convert import chunk_texts, healing_chunks
+
+    texts = _texts(8, 120, seed=4)
+    everything = chunk_texts(texts, None, 1, 60, None)
+    calibration = chunk_texts(texts, None, 1, 150, 300)  # ends inside a chunk, which healing then skips
+    heal_text = healing_chunks(texts, None, 1, 150, calibration, 250)
+    assert sum(len(c) for c in heal_text) >= 250
+    following = chunk_texts(texts, None, 1, 150, None)[len(calibration) :]  # the budget cuts only the last short
+    assert [c.tolist() for c in heal_text[:-1]] == [c.tolist() for c in following[: len(heal_text) - 1]]
+    assert heal_text[-1].tolist() == following[len(heal_text) - 1][: len(heal_text[-1])].tolist()
+    assert healing_chunks(texts, None, 1, 60, everything, 100) == []  # nothing follows: heal() gets the calibration
+
+
+def test_convert_heals_on_text_the_calibration_did_not_use():
+    dense = _opinionated("llama")
+    seen = []
+    _, report = convert(
+        dense,
+        stem_layers=[1],
+        init="fitted",
+        calibration=_texts(10, 120, seed=5),
+        calibration_tokens=400,
+        chunk_len=60,
+        heal_tokens=300,
+        heal_options={"log_every": 1, "callback": lambda *a: seen.append(a)},
+    )
+    assert report["heal_text"] == "calibration text after the calibration tokens" and seen[-1][0] == 300

@@ -62,7 +62,8 @@ def test_healing_smollm2_lowers_held_out_perplexity(smollm2, texts):
         heldout=texts["heldout"],
         heldout_tokens=2000,
         tokenizer=tokenizer,
-        heal_tokens=6000,  # 12 steps: 3 steps (1500 tokens) are within noise of the refit start (1.266x -> 1.273x)
+        heal_tokens=6000,  # 12 steps: a few steps can be within noise of the refit start
     )
     assert report["refit"] == "all" and report["heal_tokens"] == 6000
+    assert report["heal_text"] == "calibration text after the calibration tokens"
     assert report["perplexity_ratio"] < report["perplexity_ratio_before_healing"], report
