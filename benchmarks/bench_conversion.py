@@ -5,7 +5,8 @@ Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--inits fitted 
        [--heal-ratios 1/3] [--plot PNG] [--json PATH]
        python benchmarks/bench_conversion.py --replot RUN.json [RUN.json ...] --plot PNG
 
-Calibration (and healing) text and held-out text are disjoint documents of the bundled corpus (conversion/assets.py).
+Calibration text and held-out text are disjoint documents of the bundled corpus (conversion/assets.py); healing runs on
+the calibration corpus's text that follows the calibration tokens.
 A healing curve is one run of `--heal-tokens` tokens, evaluated on the held-out text at `--eval-every` tokens once the
 W_up blend is annealed out (before that the model still borrows the dense up-projection).
 """
@@ -19,8 +20,8 @@ import torch
 
 from conversion import convert, load_source
 from conversion.assets import corpora, smollm2_gguf
-from conversion.convert import chunk_texts, perplexity
-from conversion.heal import heal
+from conversion.convert import chunk_texts, healing_chunks, perplexity
+from conversion.heal import ANNEAL, heal
 
 # (init, refit). `fitted` refits every output projection from the first STEM layer on, layer by layer along the
 # residual stream (`refit="all"`); "fitted-sequential" refits only the STEM layers' W_down that way, "fitted-plain"
@@ -80,7 +81,7 @@ def replot(paths: list[str], out: str) -> None:
     plot(runs, dense_ppl, out)
 
 
-def healing_run(dense, stem, chunks, heldout, dense_ppl: float, args) -> dict:
+def healing_run(dense, stem, init: str, chunks, heldout, dense_ppl: float, args) -> dict:
     """One healing run of `args.heal_tokens` tokens, evaluated on `heldout` every `args.eval_every` tokens."""
     curve, eval_s = [], 0.0
 
@@ -93,7 +94,16 @@ def healing_run(dense, stem, chunks, heldout, dense_ppl: float, args) -> dict:
             curve.append({"tokens": tokens, "kl": round(kl, 4), "over_dense": round(ppl / dense_ppl, 3)})
             print(json.dumps(curve[-1]), flush=True)
 
-    info = heal(dense, stem, chunks, args.heal_tokens, train=args.heal_train, log_every=5, callback=evaluate)
+    info = heal(
+        dense,
+        stem,
+        chunks,
+        args.heal_tokens,
+        anneal=ANNEAL[init],
+        train=args.heal_train,
+        log_every=5,
+        callback=evaluate,
+    )
     final = round(perplexity(stem, heldout) / dense_ppl, 3)
     if not curve or curve[-1]["tokens"] != info["heal_tokens"]:
         curve.append({"tokens": info["heal_tokens"], "kl": round(info["heal_kl_last"], 4), "over_dense": final})
@@ -133,7 +143,8 @@ def main() -> None:
     dense, tokenizer = load_source(smollm2_gguf())
     bos = dense.config.bos_token_id
     heldout = chunk_texts(texts["heldout"], tokenizer, bos, 512, args.heldout_tokens)
-    heal_chunks = chunk_texts(texts["calibration"], tokenizer, bos, 512, args.heal_tokens)
+    calib_chunks = chunk_texts(texts["calibration"], tokenizer, bos, 512, args.calibration_tokens)
+    heal_chunks = healing_chunks(texts["calibration"], tokenizer, bos, 512, calib_chunks, args.heal_tokens)
     dense_ppl = perplexity(dense, heldout)
     results, healing, kept = [], [], {}
     for ratio in args.ratios:
@@ -168,7 +179,7 @@ def main() -> None:
             del stem
 
     for (ratio, variant), (stem, before) in kept.items():
-        healing.append(healing_run(dense, stem, heal_chunks, heldout, dense_ppl, args))
+        healing.append(healing_run(dense, stem, VARIANTS[variant][0], heal_chunks, heldout, dense_ppl, args))
         healing[-1].update(ratio=ratio, init=variant, before=round(before, 3))
     summary = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
