@@ -123,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", nargs="+", default=["1/3", "1/2"])
     parser.add_argument("--inits", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--calibration-tokens", type=int, default=50_000)
+    parser.add_argument("--calibration-tokens", type=int, default=150_000)  # `stem-hf convert`'s default
     parser.add_argument("--heldout-tokens", type=int, default=10_000)
     parser.add_argument("--heal-ratios", nargs="*", default=["1/3"])
     parser.add_argument("--heal-inits", nargs="*", default=["fitted", "xavier"])
