@@ -35,6 +35,8 @@ def run_convert(args: argparse.Namespace) -> dict:
         heldout_tokens=args.heldout_tokens,
         table_dtype=DTYPE_ALIASES.get(args.table_dtype, args.table_dtype),
         refit=args.refit,
+        gate_epochs=args.gate_epochs,
+        dense_epochs=args.dense_epochs,
         device=args.device,
         heal_tokens=args.heal_tokens,
         heal_options={k: v for k, v in heal_options.items() if v is not None},

@@ -22,6 +22,9 @@ from .sources import load_source, stem_config_from_dense
 INITS = ("fitted", "mean", "projected", "xavier")
 REFITS = ("none", "plain", "sequential", "all")
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# Local training along the stream (`conversion.feedback`): SmolLM2-1/3 from 50k calibration tokens, 1.78x dense
+# perplexity without it, 1.70x with 5 epochs for the STEM layers' gates, 1.67x adding 5 for the dense layers' FFNs.
+LOCAL_EPOCHS = 5
 ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
 
 
@@ -135,6 +138,22 @@ def init_tables(
     return info
 
 
+def _local_epochs(refit: str, gate_epochs: int | None, dense_epochs: int | None) -> tuple[int, int]:
+    """Epochs of local training for the STEM layers' gates and the dense layers' FFNs: it runs inside the refit along
+    the stream, so only with `"sequential"` (gates) and `"all"` (both)."""
+    allowed = {"gate_epochs": refit in ("sequential", "all"), "dense_epochs": refit == "all"}
+    epochs = {"gate_epochs": gate_epochs, "dense_epochs": dense_epochs}
+    for name, value in epochs.items():
+        if value is None:
+            epochs[name] = LOCAL_EPOCHS if allowed[name] else 0
+        elif not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: {value!r} is not a whole number of epochs")
+        elif value and not allowed[name]:
+            needs = "refit 'sequential' or 'all'" if name == "gate_epochs" else "refit 'all'"
+            raise ValueError(f"{name}: local training runs inside the refit along the stream ({needs}), not {refit!r}")
+    return epochs["gate_epochs"], epochs["dense_epochs"]
+
+
 def convert(
     source,
     out: str | os.PathLike | None = None,
@@ -149,6 +168,8 @@ def convert(
     chunk_len: int = 512,
     shrink: float = 16.0,
     refit: str | None = None,
+    gate_epochs: int | None = None,
+    dense_epochs: int | None = None,
     heal_tokens: int = 0,
     device: str | torch.device | None = None,
     heal_options: dict | None = None,
@@ -164,7 +185,9 @@ def convert(
     default `"all"` for `fitted`, `"none"` for the others) then refits output projections in closed form:
     `"plain"` each STEM layer's `W_down` to the dense FFN's output on the dense model's activations; `"sequential"` the
     same, layer by layer along both models' residual streams, to bring the converted stream back to the dense one
-    (`conversion.feedback`); `"all"` also every attention `o_proj` and dense `W_down` after the first STEM layer. With
+    (`conversion.feedback`); `"all"` also every attention `o_proj` and dense `W_down` after the first STEM layer.
+    `gate_epochs` (default 5 with `"sequential"` and `"all"`) then trains each STEM layer's gate locally along the
+    stream, `dense_epochs` (default 5 with `"all"`) the gate and up-projection of each dense layer it refits. With
     `heal_tokens`, the initialized model is then distilled from the dense one on that many tokens of the calibration
     text that follows the `calibration_tokens` (`healing_chunks`; the calibration tokens again only if the text runs
     out), `heal_options` going to `conversion.heal.heal` (`anneal` defaults to `conversion.heal.ANNEAL[init]`), on
@@ -197,14 +220,18 @@ def convert(
     calib_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, calibration_tokens)
     heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
     refit = ("all" if init == "fitted" else "none") if refit is None else refit
+    gate_epochs, dense_epochs = _local_epochs(refit, gate_epochs, dense_epochs)
     for what, needed in ((f"init {init!r}", init in ("mean", "fitted")), (f"refit {refit!r}", refit != "none")):
         if needed and config.stem_layers and not calib_chunks:
             raise ValueError(f"{what} needs calibration text (--calibration)")
     calibration_info = init_tables(dense, stem, init, calib_chunks, shrink)
     if refit == "plain" and config.stem_layers:
         refit_down(dense, stem, calib_chunks)
-    elif refit in ("sequential", "all"):
-        refit_feedback(dense, stem, calib_chunks, correct_dense=refit == "all")
+    locally_trained = []
+    if refit in ("sequential", "all"):
+        locally_trained = refit_feedback(
+            dense, stem, calib_chunks, correct_dense=refit == "all", gate_epochs=gate_epochs, dense_epochs=dense_epochs
+        )
     heldout_ppl = (lambda model: perplexity(model, heldout_chunks)) if heldout_chunks else (lambda model: None)
     if base_model is None and isinstance(source, str) and not os.path.exists(source) and HUB_ID.fullmatch(source):
         base_model = source
@@ -216,6 +243,9 @@ def convert(
         "stem_layers": config.stem_layers,
         "init": init,
         "refit": refit if config.stem_layers else "none",
+        "gate_epochs": gate_epochs if config.stem_layers else 0,
+        "dense_epochs": dense_epochs if config.stem_layers else 0,
+        "locally_trained_layers": locally_trained,  # where local training lowered the layer's loss and was kept
         "table_dtype": table_dtype,
         # Every chunk, calibration and held-out, starts with BOS (the converted model's exact position-0 row needs it).
         "bos_prepended": bos is not None,

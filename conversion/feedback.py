@@ -12,13 +12,18 @@ as close as a linear map can to the dense stream:
 - with `correct_dense`, after the first STEM layer also every attention `o_proj` (target: the dense residual after
   attention minus the converted residual before it) and every dense layer's `W_down`. These layers compute
   context-dependent features the tables lack, and spend a little of their capacity on undoing the drift.
+- with `gate_epochs`, each STEM layer's gate is then trained locally (Adam on minibatches of positions, `W_down` held)
+  toward the same target, and `W_down` refit once more to the trained gate: the gate is the only part of a STEM FFN
+  that sees the context, so it can learn some of what the row cannot. `dense_epochs` does the same for the gate and
+  up-projection of every dense layer that `correct_dense` refits.
 
 Each solve sees the inputs its layer will see at inference: the layers before it are already refit. Memory, in the
 models' dtype: the two streams plus, during one layer, its attention outputs and the dense stream after attention,
 about `4 x calibration tokens x hidden` values (460 MB for SmolLM2 at 50k fp32 tokens; 3.3 GB for an 8B Llama), and
-one fp64 `d_ff x (d_ff + hidden)` system at a time (21 MB; 2.1 GB). Both models are run where they are, on the
-calibration chunks in full. Compute: about two forwards of each model over the calibration text, plus the Gram
-matrices.
+one fp64 `d_ff x (d_ff + hidden)` system at a time (21 MB; 2.1 GB); local training adds the layer's FFN inputs and
+targets in fp32 and its rows in the table's dtype, `2 x hidden + d_ff` values per calibration token (1 GB for SmolLM2
+at 150k tokens). Both models are run where they are, on the calibration chunks in full. Compute: about two forwards of
+each model over the calibration text, plus the Gram matrices, plus `epochs` passes of local training per layer.
 """
 
 import torch
@@ -72,6 +77,15 @@ def _features(block: nn.Module, residual: torch.Tensor, rows: torch.Tensor | Non
     return mlp.act_fn(mlp.gate_proj(x)) * (mlp.up_proj(x) if rows is None else rows.to(x.device, x.dtype))
 
 
+def _refit_down(block: nn.Module, hidden: list, table, chunks: list, targets: list, ridge: float) -> None:
+    """Refits `block`'s FFN `W_down` so that the FFN output on each of `hidden` (residuals after attention) comes as
+    close as it can to `targets`."""
+    fit = RidgeFit(block.mlp.down_proj)
+    for k, chunk in enumerate(chunks):
+        fit.add(_features(block, hidden[k][0], None if table is None else table[chunk]), targets[k])
+    fit.solve(ridge)
+
+
 class RidgeFit:
     """Accumulates `features -> target` over chunks, then sets `linear.weight` to the ridge solution shrunk toward it.
     The bias, if any, stays: it is subtracted from the target."""
@@ -97,18 +111,83 @@ class RidgeFit:
         weight.copy_(solution.T.to(weight.device, weight.dtype))
 
 
+def train_gate(
+    mlp: nn.Module,
+    inputs: list[torch.Tensor],
+    rows: list[torch.Tensor] | None,
+    targets: list[torch.Tensor],
+    epochs: int,
+    lr: float = 0.015,
+    batch: int = 1024,
+) -> bool:
+    """Trains `mlp.gate_proj` (and `mlp.up_proj` when `rows` is None: a dense FFN) with Adam on minibatches of
+    positions, `W_down` fixed, so that `W_down(SiLU(W_gate x) * rows)` comes closer to `targets`. `lr` is relative to
+    each weight's root mean square (Adam's steps do not scale with the gradient): 3e-3 for SmolLM2's. The trained
+    weights are kept only if they lower the loss over all the positions; returns whether they were."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.cat([t.float() for t in inputs])
+        u = None if rows is None else torch.cat(rows)  # in the table's dtype: cast a batch at a time
+        y = torch.cat([t.float() for t in targets])
+        linears = [mlp.gate_proj] + ([mlp.up_proj] if rows is None else [])
+        copies = [[p.detach().clone().float() if p is not None else None for p in (m.weight, m.bias)] for m in linears]
+        down = (
+            mlp.down_proj.weight.detach().float(),
+            None if mlp.down_proj.bias is None else mlp.down_proj.bias.float(),
+        )
+
+        def loss(b: torch.Tensor) -> torch.Tensor:
+            gate = mlp.act_fn(nn.functional.linear(x[b], *copies[0]))
+            h = gate * (u[b].float() if u is not None else nn.functional.linear(x[b], *copies[1]))
+            return (nn.functional.linear(h, *down) - y[b]).pow(2).sum()
+
+        def total() -> float:
+            with torch.no_grad():
+                return sum(loss(b).item() for b in torch.arange(len(x), device=x.device).split(8 * batch))
+
+        before = total()
+        groups = [
+            {"params": [p.requires_grad_() for p in c if p is not None], "lr": lr * c[0].pow(2).mean().sqrt().item()}
+            for c in copies
+        ]
+        optimizer = torch.optim.Adam(groups)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(epochs):
+            for b in torch.randperm(len(x), generator=generator).to(x.device).split(batch):
+                optimizer.zero_grad()
+                (loss(b) / len(b)).backward()
+                optimizer.step()
+        if total() >= before:
+            return False
+        with torch.no_grad():
+            for module, (weight, bias) in zip(linears, copies, strict=True):
+                module.weight.copy_(weight)
+                if bias is not None:
+                    module.bias.copy_(bias)
+        return True
+
+
 @torch.inference_mode()
 def refit_feedback(
-    dense: nn.Module, stem: nn.Module, chunks: list[torch.Tensor], ridge: float = 1e-2, correct_dense: bool = True
-) -> None:
+    dense: nn.Module,
+    stem: nn.Module,
+    chunks: list[torch.Tensor],
+    ridge: float = 1e-2,
+    correct_dense: bool = True,
+    gate_epochs: int = 0,
+    dense_epochs: int = 0,
+) -> list[int]:
     """Refits `stem`'s output projections in place (see the module docstring) on calibration `chunks` (1-D token id
     tensors, each run as one sequence) run through both models. `ridge` scales the pull toward the current weights,
-    relative to the mean diagonal of each Gram matrix."""
+    relative to the mean diagonal of each Gram matrix. `gate_epochs` and `dense_epochs`: passes of local training over
+    the calibration positions for the STEM layers' gates and (with `correct_dense`) the dense layers' gates and
+    up-projections; 0 trains nothing. Returns the layers whose local training was kept (it lowered their loss)."""
+    if gate_epochs < 0 or dense_epochs < 0:
+        raise ValueError(f"gate_epochs {gate_epochs} and dense_epochs {dense_epochs}: passes cannot be negative")
     if ridge < 0:
         raise ValueError(f"ridge: {ridge} is negative")
-    stem_layers = set(stem.config.stem_layers)
+    stem_layers, trained = set(stem.config.stem_layers), []
     if not stem_layers or not chunks:
-        return
+        return trained
     first = min(stem_layers)
     last = stem.config.num_hidden_layers - 1 if correct_dense else max(stem_layers)
     dense_stream, stem_stream = _Stream(dense, chunks), None  # the two agree up to the first STEM layer
@@ -140,12 +219,19 @@ def refit_feedback(
         del heads
 
         table = tables[str(layer)].weight if layer in stem_layers else None
-        if layer in stem_layers or correct:
-            fit = RidgeFit(stem_block.mlp.down_proj)
-            for k, chunk in enumerate(chunks):
-                h = _features(stem_block, hidden[k][0], None if table is None else table[chunk])
-                fit.add(h, dense_stream.hidden[k][0].to(hidden[k]) - hidden[k][0])
-            fit.solve(ridge)
+        if table is not None or correct:
+            targets = [dense_stream.hidden[k][0].to(hidden[k]) - hidden[k][0] for k in range(len(chunks))]
+            _refit_down(stem_block, hidden, table, chunks, targets, ridge)
+            epochs = gate_epochs if table is not None else dense_epochs
+            if epochs:  # from the refit W_down, which is then refit again to the trained features
+                inputs = [stem_block.post_attention_layernorm(h[0]) for h in hidden]
+                rows = None if table is None else [table[chunk] for chunk in chunks]
+                if train_gate(stem_block.mlp, inputs, rows, targets, epochs):
+                    _refit_down(stem_block, hidden, table, chunks, targets, ridge)
+                    trained.append(layer)
+                del inputs, rows
+            del targets
         for k, chunk in enumerate(chunks):
             h = _features(stem_block, hidden[k], None if table is None else table[chunk][None])
             hidden[k] = hidden[k] + stem_block.mlp.down_proj(h)
+    return trained

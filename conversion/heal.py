@@ -2,11 +2,11 @@
 calibration text.
 
 Progressive conversion: during healing each STEM layer computes `W_d(SiLU(W_g x) * (a W_up x + (1 - a) U[t]))`, the
-dense up-projection borrowed from the source (and `W_d` blended likewise from the dense one to the refit one, see
-`StemBlendMLP`; so are the other weights conversion refit, see `StemBlendWeight`). At `a = 1` the model is exactly the
-dense one; `a` falls linearly from just below 1 (at `a = 1` the
-tables would get no gradient) to 0 over the first `anneal` share of the steps, so the model never falls off a cliff; the
-rest of the budget trains the pure STEM model. The blend is removed at the end: the result has no `W_up`. An
+dense up-projection borrowed from the source (and `W_d` and `W_g` blended likewise from the dense ones to the refit and
+trained ones, see `StemBlendMLP`; so are the other weights conversion changed, see `StemBlendWeight`). At `a = 1` the
+model is exactly the dense one; `a` falls linearly from just below 1 (at `a = 1` the tables would get no gradient) to 0
+over the first `anneal` share of the steps, so the model never falls off a cliff; the rest of the budget trains the pure
+STEM model. The blend is removed at the end: the result has no `W_up`. An
 interrupted healing keeps what it trained so far (rows, and weights trained while `a > 0`).
 
 Rows train at `table_lr` 1e-3 by default, no faster: AdamW moves a row by about `3 lr` per element the first time its
@@ -38,10 +38,10 @@ ANNEAL = {"fitted": 0.0, "mean": 0.0, "projected": 0.25, "xavier": 0.25}
 
 
 class StemBlendMLP(nn.Module):
-    """A STEM layer's FFN during healing: `down_a(SiLU(gate(x)) * (a * up(x) + (1 - a) * rows))`, `up` and the dense
-    `down` borrowed from the source, `down_a = a * down + (1 - a) * down_proj` (conversion may have refit `down_proj`).
-    At `a = 1` it is the dense FFN exactly. Shares `gate_proj` and `down_proj` with the STEM layer it stands in for, so
-    that training them trains the STEM model."""
+    """A STEM layer's FFN during healing: `down_a(SiLU(gate_a(x)) * (a * up(x) + (1 - a) * rows))`, `up` and the dense
+    `gate` and `down` borrowed from the source, `down_a = a * down + (1 - a) * down_proj` and `gate_a` likewise
+    (conversion may have refit `down_proj` and trained `gate_proj`). At `a = 1` it is the dense FFN exactly. Shares
+    `gate_proj` and `down_proj` with the STEM layer it stands in for, so that training them trains the STEM model."""
 
     def __init__(self, mlp: nn.Module, dense_mlp: nn.Module):
         super().__init__()
@@ -56,15 +56,20 @@ class StemBlendMLP(nn.Module):
             return self.down_proj(self.act_fn(self.gate_proj(x)) * up)
         dense = self.dense[0]
         up = a * dense.up_proj(x) + (1.0 - a) * up
-        weight = a * dense.down_proj.weight + (1.0 - a) * self.down_proj.weight
-        bias = None if self.down_proj.bias is None else a * dense.down_proj.bias + (1.0 - a) * self.down_proj.bias
-        return F.linear(self.act_fn(self.gate_proj(x)) * up, weight, bias)
+        gate = F.linear(x, *_blend(a, dense.gate_proj, self.gate_proj))
+        return F.linear(self.act_fn(gate) * up, *_blend(a, dense.down_proj, self.down_proj))
+
+
+def _blend(a: float, source: nn.Linear, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(weight, bias)` of `a * source + (1 - a) * linear`."""
+    weight = a * source.weight + (1.0 - a) * linear.weight
+    return weight, None if linear.bias is None else a * source.bias + (1.0 - a) * linear.bias
 
 
 class StemBlendWeight(nn.Module):
-    """A parametrization of a weight conversion refit outside the STEM FFNs (attention `o_proj`, the dense layers'
-    `W_down`: `conversion.feedback`): `a * source + (1 - a) * weight`, so that at `a = 1` a freshly converted model is
-    the source. Gradients reach the refit weight itself, scaled by `1 - a`."""
+    """A parametrization of a weight conversion refit or trained outside the STEM FFNs (attention `o_proj`, the dense
+    layers' FFNs: `conversion.feedback`): `a * source + (1 - a) * weight`, so that at `a = 1` a freshly converted model
+    is the source. Gradients reach the refit weight itself, scaled by `1 - a`."""
 
     def __init__(self, source: torch.Tensor):
         super().__init__()
@@ -103,7 +108,7 @@ class StemCompactTable(nn.Module):
 
 class BlendedStem:
     """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up- and down-projections, the other
-    weights the refit changes (every `o_proj`, the dense layers' `W_down`) are blended with `dense`'s where they differ
+    weights the refit changes (every `o_proj`, the dense layers' FFNs) are blended with `dense`'s where they differ
     (`StemBlendWeight`), and the rows of `tokens` in `stem`'s tables train as compact fp32 copies (`StemCompactTable`).
     On exit the trained rows are written back into the tables and the STEM layers and weights are restored, also after
     an error."""
@@ -124,11 +129,16 @@ class BlendedStem:
                 layers[layer].mlp, tables[key] = blend, compact
                 self.mlps.append(blend)
                 self.compact.append(compact)
-            # What the refit changes: every o_proj, the dense layers' W_down (the STEM layers' is StemBlendMLP's). Other
+            # What the refit changes: every o_proj, the dense layers' FFNs (the STEM layers' are StemBlendMLP's). Other
             # weights a second healing may find changed stay as they are: blending one of two tied weights would untie
             # them.
             refit = [f"model.layers.{i}.self_attn.o_proj" for i in range(len(layers))]
-            refit += [f"model.layers.{i}.mlp.down_proj" for i in range(len(layers)) if str(i) not in tables]
+            refit += [
+                f"model.layers.{i}.mlp.{name}"
+                for i in range(len(layers))
+                if str(i) not in tables
+                for name in ("gate_proj", "up_proj", "down_proj")
+            ]
             sources, modules = dict(self.dense.named_modules()), dict(self.stem.named_modules())
             for name in refit:
                 module, source = modules[name], sources.get(name)

@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="where to save the converted checkpoint")
     demo.add_argument("--source", default=None, help="a dense checkpoint (default: the embedded SmolLM2-135M GGUF)")
     demo.add_argument("--calibration-tokens", type=int, default=50_000)
-    demo.add_argument("--heal-tokens", type=int, default=30_000, help="healing budget (0: none)")
+    demo.add_argument("--heal-tokens", type=int, default=20_000, help="healing budget (0: none)")
     demo.add_argument("--tiny", action="store_true", help="the one-second example on a random tiny model instead")
 
     convert = commands.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint to STEM")
@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--refit",
         choices=["none", "plain", "sequential", "all"],
         help="closed-form refit of output projections after the tables are set (default: all for fitted, else none)",
+    )
+    convert.add_argument(
+        "--gate-epochs", type=int, help="local training of the STEM layers' gates in the refit (default: 5 with it)"
+    )
+    convert.add_argument(
+        "--dense-epochs", type=int, help="local training of the dense layers' FFNs with --refit all (default: 5)"
     )
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
     # Left unset, the healing options take `conversion.heal`'s defaults (the anneal's by init: `ANNEAL`).

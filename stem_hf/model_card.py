@@ -44,6 +44,17 @@ REFIT_TEXTS = {
 }
 
 
+def _refit_text(report: dict) -> str | None:
+    """What the refit did, local training included (`gate_epochs`, `dense_epochs`)."""
+    text = REFIT_TEXTS.get(report.get("refit") or _legacy_refit(report))
+    trained = [
+        f"{what} trained locally along the way ({report[key]} epochs)"
+        for key, what in (("gate_epochs", "the STEM layers' gates"), ("dense_epochs", "the dense layers' gates and up"))
+        if report.get(key)
+    ]
+    return f"{text}, {' and '.join(trained)}" if text and trained else text
+
+
 def _legacy_refit(report: dict) -> str:
     """The `refit` of a report written before it existed (`refit_down` and `sequential` flags)."""
     if not report.get("refit_down"):
@@ -211,7 +222,7 @@ def render_model_card(
             source_file=file_name if base_model and file_name and file_name != base_model else None,
             source_architecture=report.get("source_architecture", "unknown"),
             init=report.get("init"),
-            refit=REFIT_TEXTS.get(report.get("refit") or _legacy_refit(report)),
+            refit=_refit_text(report),
             calibration_tokens=f"{report.get('calibration_tokens', 0):,}",
             calibration_data=report.get("calibration_data") or "calibration text",
             distinct_tokens=f"{report.get('distinct_tokens', 0):,}",

@@ -160,6 +160,9 @@ def test_report_and_saved_checkpoint(tmp_path):
         "source_architecture",
         "stem_layers",
         "init",
+        "refit",
+        "gate_epochs",
+        "dense_epochs",
         "calibration_tokens",
         "distinct_tokens",
         "vocab_coverage",
@@ -173,6 +176,7 @@ def test_report_and_saved_checkpoint(tmp_path):
     ):
         assert key in saved, key
     assert saved["source_architecture"] == "Qwen3ForCausalLM" and saved["stem_layers"] == [1, 3]
+    assert (saved["refit"], saved["gate_epochs"], saved["dense_epochs"]) == ("all", 5, 5)
     assert 0 < saved["vocab_coverage"] <= 1 and saved["heldout_perplexity_stem"] > 1
     reloaded = StemForCausalLM.from_pretrained(tmp_path)
     assert reloaded.config.qk_norm and reloaded.model.stem_tables["1"].weight.dtype == torch.bfloat16
@@ -328,7 +332,9 @@ def test_sequential_refit_of_one_layer_is_the_plain_one(kind):
         dense = _dense(kind)
     chunks = [torch.tensor([1, *t]) for t in _texts(6, 50, seed=9)]
     models = [
-        convert(dense, stem_layers=[2], init="fitted", calibration=chunks, table_dtype="float32", refit=r)[0]
+        convert(
+            dense, stem_layers=[2], init="fitted", calibration=chunks, table_dtype="float32", refit=r, gate_epochs=0
+        )[0]
         for r in ("plain", "sequential")
     ]
     plain, sequential = (m.state_dict() for m in models)
@@ -360,17 +366,18 @@ def _streams(model, chunk: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     return got
 
 
-@pytest.mark.parametrize("kind", list(SOURCES))
-def test_refit_along_the_stream_is_the_least_squares_fit_of_each_layer(kind):
+@pytest.mark.parametrize(("kind", "epochs"), [(kind, 0) for kind in SOURCES] + [("llama", 20)])
+def test_refit_along_the_stream_is_the_least_squares_fit_of_each_layer(kind, epochs):
     """With no ridge, every refit projection leaves a residual orthogonal to its inputs as the converted model computes
     them: each layer is solved on the inputs the layers before it, already refit, give it (so the pass's own stepping
-    through the layers matches the model's forward, for each source architecture)."""
+    through the layers matches the model's forward, for each source architecture). With local training, `W_down` is
+    solved last, on the gates as trained (or kept, when training did not lower the layer's loss)."""
     from conversion.feedback import refit_feedback
 
     dense = _dense(kind)  # llama has attention biases: o_proj has a bias the refit keeps
     chunks = [torch.tensor([1, *t]) for t in _texts(10, 60, seed=10)]
     stem, _ = convert(dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", refit="none")
-    refit_feedback(dense, stem, chunks, ridge=0.0, correct_dense=True)
+    refit_feedback(dense, stem, chunks, ridge=0.0, correct_dense=True, gate_epochs=epochs, dense_epochs=epochs)
     runs = [(_streams(stem, c), _streams(dense, c)) for c in chunks]
     for layer in range(1, SHAPE["num_hidden_layers"]):
         block = stem.model.layers[layer]
@@ -390,13 +397,102 @@ def test_refits_bring_the_residual_stream_closer_to_dense():
     errors = {}
     for refit in ("plain", "sequential", "all"):
         stem, report = convert(
-            dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", refit=refit
+            dense,
+            stem_layers=[1, 3],
+            init="fitted",
+            calibration=chunks,
+            table_dtype="float32",
+            refit=refit,
+            gate_epochs=0,
+            dense_epochs=0,
         )
         assert report["refit"] == refit
         runs = [(_streams(stem, c), _streams(dense, c)) for c in chunks]
         errors[refit] = sum((s["output"][-1] - d["output"][-1]).pow(2).sum().item() for s, d in runs)
     assert errors["sequential"] < 0.9 * errors["plain"], errors
     assert errors["all"] < 0.9 * errors["sequential"], errors
+
+
+def test_local_training_brings_the_residual_stream_closer_to_dense():
+    """Training the gates (and the dense layers' gate and up) along the stream lowers the error the refit leaves, on the
+    calibration text and on other text."""
+    dense = _dense("llama")
+    with (
+        torch.no_grad()
+    ):  # FFNs far from what a token-indexed row can stand in for, so that there is something to learn
+        for name, param in dense.named_parameters():
+            if name.endswith("proj.weight"):
+                param.normal_(0.0, 0.3)
+    chunks = [torch.tensor([1, *t]) for t in _texts(32, 60, seed=10)]
+    other = [torch.tensor([1, *t]) for t in _texts(4, 60, seed=11)]
+    errors = {}
+    for epochs in ((0, 0), (20, 0), (20, 20)):
+        stem, report = convert(
+            dense,
+            stem_layers=[1, 3],
+            init="fitted",
+            calibration=chunks,
+            table_dtype="float32",
+            gate_epochs=epochs[0],
+            dense_epochs=epochs[1],
+        )
+        assert (report["gate_epochs"], report["dense_epochs"]) == epochs
+        # trained where asked (and kept where it lowered the layer's loss): the STEM layers' gates, the dense layer
+        # after the first STEM layer's gate and up; never layer 0
+        candidates = [(layer, "gate_proj") for layer in range(4)] + [(0, "up_proj"), (2, "up_proj")]
+        trained = {
+            (layer, name)
+            for layer, name in candidates
+            if not torch.equal(*(getattr(m.model.layers[layer].mlp, name).weight for m in (stem, dense)))
+        }
+        assert set(report["locally_trained_layers"]) == {layer for layer, _ in trained}
+        assert bool({(1, "gate_proj"), (3, "gate_proj")} & trained) == (epochs[0] > 0)
+        assert ({(2, "gate_proj"), (2, "up_proj")} <= trained) == (epochs[1] > 0) and (0, "gate_proj") not in trained
+        for name, text in (("calibration", chunks), ("other", other)):
+            runs = [(_streams(stem, c), _streams(dense, c)) for c in text]
+            errors[name, epochs] = sum((s["output"][-1] - d["output"][-1]).pow(2).sum().item() for s, d in runs)
+    for name in ("calibration", "other"):
+        assert errors[name, (20, 0)] < errors[name, (0, 0)] and errors[name, (20, 20)] < errors[name, (20, 0)], errors
+
+
+def test_train_gate_lowers_its_loss_and_leaves_down_alone():
+    from conversion.feedback import train_gate
+
+    torch.manual_seed(0)
+    mlp = _dense("llama").model.layers[1].mlp
+    x, rows = torch.randn(200, 32), torch.randn(200, 48)
+    with torch.no_grad():  # what another gate would give: within reach of training
+        other = mlp.gate_proj.weight + 0.5 * torch.randn_like(mlp.gate_proj.weight) * mlp.gate_proj.weight.std()
+        target = mlp.down_proj(F.silu(x @ other.T) * rows)
+    down = mlp.down_proj.weight.clone()
+
+    def loss():
+        with torch.no_grad():
+            return (mlp.down_proj(F.silu(mlp.gate_proj(x)) * rows) - target).pow(2).mean().item()
+
+    before = loss()
+    with torch.inference_mode():  # as the refit calls it
+        kept = train_gate(mlp, [x[:120], x[120:]], [rows[:120], rows[120:]], [target[:120], target[120:]], epochs=30)
+    assert kept and loss() < 0.8 * before and torch.equal(mlp.down_proj.weight, down)
+    # Training that cannot help (the gate already gives the target) is not kept.
+    gate = mlp.gate_proj.weight.clone()
+    with torch.no_grad():
+        exact = mlp.down_proj(F.silu(mlp.gate_proj(x)) * rows)
+    with torch.inference_mode():
+        assert not train_gate(mlp, [x], [rows], [exact], epochs=3)
+    assert torch.equal(mlp.gate_proj.weight, gate)
+
+
+def test_local_training_needs_the_refit_along_the_stream():
+    dense, chunks = _dense("llama"), [torch.tensor([1, *t]) for t in _texts(2, 30, seed=1)]
+    with pytest.raises(ValueError, match="gate_epochs: local training .*refit 'sequential' or 'all'.*'plain'"):
+        convert(dense, stem_layers=[1], calibration=chunks, refit="plain", gate_epochs=2)
+    with pytest.raises(ValueError, match="dense_epochs: local training .*refit 'all'.*'sequential'"):
+        convert(dense, stem_layers=[1], calibration=chunks, refit="sequential", dense_epochs=2)
+    with pytest.raises(ValueError, match="gate_epochs: -1 is not a whole number of epochs"):
+        convert(dense, stem_layers=[1], calibration=chunks, gate_epochs=-1)
+    _, report = convert(dense, stem_layers=[1], init="mean", calibration=chunks)
+    assert (report["refit"], report["gate_epochs"], report["dense_epochs"]) == ("none", 0, 0)
 
 
 def test_refit_needs_calibration_text_and_a_known_name():

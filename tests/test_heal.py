@@ -46,11 +46,14 @@ def test_the_blend_at_one_is_the_dense_model_and_at_zero_the_stem_model():
         stem_logits = stem(ids).logits
         with BlendedStem(dense, stem, torch.tensor([1, 5, 9])) as blend:  # other rows: read from the tables
             assert all(isinstance(stem.model.layers[i].mlp, StemBlendMLP) for i in (1, 2))
-            # the default refit changed o_proj after the first STEM layer and the dense layer 3's W_down: blended too
+            # the default refit changed o_proj after the first STEM layer and the dense layer 3's FFN: blended too (the
+            # STEM layers' trained gates are StemBlendMLP's)
             blended = {name for name, m in stem.named_modules() if parametrize.is_parametrized(m, "weight")}
-            assert blended == {
-                f"model.layers.{n}" for n in ("2.self_attn.o_proj", "3.self_attn.o_proj", "3.mlp.down_proj")
-            }
+            ffn = ("3.mlp.gate_proj", "3.mlp.up_proj", "3.mlp.down_proj")
+            assert blended == {f"model.layers.{n}" for n in ("2.self_attn.o_proj", "3.self_attn.o_proj", *ffn)}
+            assert not torch.equal(
+                stem.model.layers[1].mlp.gate_proj.weight, dense.model.layers[1].mlp.gate_proj.weight
+            )
             blend.set_blend(1.0)
             assert (stem(ids).logits - dense(ids).logits).abs().max() < 1e-5
             blend.set_blend(0.0)

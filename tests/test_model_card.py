@@ -152,6 +152,14 @@ def test_a_corrupt_report_is_a_warning_on_save_and_an_error_when_asked(tmp_path,
     ("report", "says"),
     [
         ({"refit": "all"}, "of every layer after the first STEM layer refit in closed form"),
+        (
+            {"refit": "all", "gate_epochs": 5, "dense_epochs": 5},
+            "gates trained locally along the way (5 epochs) and the dense layers' gates and up",
+        ),
+        (
+            {"refit": "sequential", "gate_epochs": 3, "dense_epochs": 0},
+            "the STEM layers' gates trained locally along the way (3 epochs).",
+        ),
         ({"refit": "plain"}, "refit in closed form to the dense FFN outputs"),
         ({"refit_down": True, "sequential": True}, "refit in closed form, layer by layer"),  # reports before `refit`
         ({"refit_down": True}, "refit in closed form to the dense FFN outputs"),
