@@ -23,17 +23,19 @@ from conversion.assets import corpora, smollm2_gguf
 from conversion.convert import chunk_texts, healing_chunks, perplexity
 from conversion.heal import ANNEAL, heal
 
-# (init, refit). `fitted` refits every output projection from the first STEM layer on, layer by layer along the
-# residual stream (`refit="all"`); "fitted-sequential" refits only the STEM layers' W_down that way, "fitted-plain"
-# refits them on the dense model's activations, "fitted-rows" not at all: the ablations of that step.
+# convert() options of each variant. `fitted` refits every output projection from the first STEM layer on, layer by
+# layer along the residual stream, and trains the gates locally on the way (the defaults); "fitted-no-local" skips the
+# local training, "fitted-sequential" refits only the STEM layers' W_down (and trains their gates), "fitted-plain"
+# refits them on the dense model's activations, "fitted-rows" not at all: the ablations of those steps.
 VARIANTS = {
-    "fitted": ("fitted", "all"),
-    "fitted-sequential": ("fitted", "sequential"),
-    "fitted-plain": ("fitted", "plain"),
-    "fitted-rows": ("fitted", "none"),
-    "mean": ("mean", "none"),
-    "projected": ("projected", "none"),
-    "xavier": ("xavier", "none"),
+    "fitted": {"init": "fitted"},
+    "fitted-no-local": {"init": "fitted", "gate_epochs": 0, "dense_epochs": 0},
+    "fitted-sequential": {"init": "fitted", "refit": "sequential"},
+    "fitted-plain": {"init": "fitted", "refit": "plain"},
+    "fitted-rows": {"init": "fitted", "refit": "none"},
+    "mean": {"init": "mean"},
+    "projected": {"init": "projected"},
+    "xavier": {"init": "xavier"},
 }
 
 
@@ -149,13 +151,11 @@ def main() -> None:
     results, healing, kept = [], [], {}
     for ratio in args.ratios:
         for variant in args.inits:
-            init, refit = VARIANTS[variant]
             start = time.perf_counter()
             stem, report = convert(
                 dense,
                 stem_layers=ratio,
-                init=init,
-                refit=refit,
+                **VARIANTS[variant],
                 calibration=texts["calibration"],
                 calibration_tokens=args.calibration_tokens,
                 tokenizer=tokenizer,
@@ -166,6 +166,9 @@ def main() -> None:
                     "ratio": ratio,
                     "stem_layers": report["stem_layers"],
                     "init": variant,
+                    "refit": report["refit"],
+                    "gate_epochs": report["gate_epochs"],
+                    "dense_epochs": report["dense_epochs"],
                     "perplexity": round(stem_ppl, 2),
                     "perplexity_over_dense": round(stem_ppl / dense_ppl, 3),
                     "calibration_tokens": report["calibration_tokens"],
@@ -179,7 +182,7 @@ def main() -> None:
             del stem
 
     for (ratio, variant), (stem, before) in kept.items():
-        healing.append(healing_run(dense, stem, VARIANTS[variant][0], heal_chunks, heldout, dense_ppl, args))
+        healing.append(healing_run(dense, stem, VARIANTS[variant]["init"], heal_chunks, heldout, dense_ppl, args))
         healing[-1].update(ratio=ratio, init=variant, before=round(before, 3))
     summary = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
