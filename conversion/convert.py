@@ -146,7 +146,7 @@ def _local_epochs(refit: str, gate_epochs: int | None, dense_epochs: int | None)
     for name, value in epochs.items():
         if value is None:
             epochs[name] = LOCAL_EPOCHS if allowed[name] else 0
-        elif not isinstance(value, int) or value < 0:
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: {value!r} is not a whole number of epochs")
         elif value and not allowed[name]:
             needs = "refit 'sequential' or 'all'" if name == "gate_epochs" else "refit 'all'"

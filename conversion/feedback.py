@@ -21,9 +21,10 @@ Each solve sees the inputs its layer will see at inference: the layers before it
 models' dtype: the two streams plus, during one layer, its attention outputs and the dense stream after attention,
 about `4 x calibration tokens x hidden` values (460 MB for SmolLM2 at 50k fp32 tokens; 3.3 GB for an 8B Llama), and
 one fp64 `d_ff x (d_ff + hidden)` system at a time (21 MB; 2.1 GB); local training adds the layer's FFN inputs and
-targets in fp32 and its rows in the table's dtype, `2 x hidden + d_ff` values per calibration token (1 GB for SmolLM2
-at 150k tokens). Both models are run where they are, on the calibration chunks in full. Compute: about two forwards of
-each model over the calibration text, plus the Gram matrices, plus `epochs` passes of local training per layer.
+targets (fp32, the targets twice) and its rows (in the table's dtype), `3 x hidden + d_ff` values per calibration token
+(1.5 GB for SmolLM2 at 150k tokens). Both models are run where they are, on the calibration chunks in full. Compute:
+about two forwards of each model over the calibration text, plus the Gram matrices, plus `epochs` passes of local
+training per layer.
 """
 
 import torch
@@ -113,32 +114,29 @@ class RidgeFit:
 
 def train_gate(
     mlp: nn.Module,
-    inputs: list[torch.Tensor],
-    rows: list[torch.Tensor] | None,
-    targets: list[torch.Tensor],
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    targets: torch.Tensor,
     epochs: int,
     lr: float = 0.015,
     batch: int = 1024,
 ) -> bool:
-    """Trains `mlp.gate_proj` (and `mlp.up_proj` when `rows` is None: a dense FFN) with Adam on minibatches of
-    positions, `W_down` fixed, so that `W_down(SiLU(W_gate x) * rows)` comes closer to `targets`. `lr` is relative to
-    each weight's root mean square (Adam's steps do not scale with the gradient): 3e-3 for SmolLM2's. The trained
-    weights are kept only if they lower the loss over all the positions; returns whether they were."""
+    """Trains `mlp.gate_proj` (and `mlp.up_proj` when `rows` is None: a dense FFN), weights and biases, with Adam on
+    minibatches of positions, `W_down` fixed, so that `W_down(SiLU(W_gate x) * rows)` comes closer to `targets`
+    (`x`: `[positions, hidden]` FFN inputs; `rows`: `[positions, d_ff]`, in any dtype and on any device). `lr` is
+    relative to each weight's root mean square (Adam's steps do not scale with the gradient): 3e-3 for SmolLM2's. The
+    trained weights are kept only if they lower the loss over all the positions; returns whether they were."""
+    _check_epochs(epochs=epochs)
     with torch.inference_mode(False), torch.enable_grad():
-        x = torch.cat([t.float() for t in inputs])
-        u = None if rows is None else torch.cat(rows)  # in the table's dtype: cast a batch at a time
-        y = torch.cat([t.float() for t in targets])
+        x, y = x.float().clone(), targets.to(x.device, torch.float32).clone()  # normal tensors, not inference ones
         linears = [mlp.gate_proj] + ([mlp.up_proj] if rows is None else [])
         copies = [[p.detach().clone().float() if p is not None else None for p in (m.weight, m.bias)] for m in linears]
-        down = (
-            mlp.down_proj.weight.detach().float(),
-            None if mlp.down_proj.bias is None else mlp.down_proj.bias.float(),
-        )
+        down = [p.detach().float() if p is not None else None for p in (mlp.down_proj.weight, mlp.down_proj.bias)]
 
         def loss(b: torch.Tensor) -> torch.Tensor:
             gate = mlp.act_fn(nn.functional.linear(x[b], *copies[0]))
-            h = gate * (u[b].float() if u is not None else nn.functional.linear(x[b], *copies[1]))
-            return (nn.functional.linear(h, *down) - y[b]).pow(2).sum()
+            up = nn.functional.linear(x[b], *copies[1]) if rows is None else rows[b.to(rows.device)].to(x.device)
+            return (nn.functional.linear(gate * up.float(), *down) - y[b]).pow(2).sum()
 
         def total() -> float:
             with torch.no_grad():
@@ -156,7 +154,7 @@ def train_gate(
                 optimizer.zero_grad()
                 (loss(b) / len(b)).backward()
                 optimizer.step()
-        if total() >= before:
+        if not total() < before:  # also when training diverged to nan
             return False
         with torch.no_grad():
             for module, (weight, bias) in zip(linears, copies, strict=True):
@@ -164,6 +162,12 @@ def train_gate(
                 if bias is not None:
                     module.bias.copy_(bias)
         return True
+
+
+def _check_epochs(**epochs) -> None:
+    for name, value in epochs.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: {value!r} is not a whole number of epochs")
 
 
 @torch.inference_mode()
@@ -181,8 +185,7 @@ def refit_feedback(
     relative to the mean diagonal of each Gram matrix. `gate_epochs` and `dense_epochs`: passes of local training over
     the calibration positions for the STEM layers' gates and (with `correct_dense`) the dense layers' gates and
     up-projections; 0 trains nothing. Returns the layers whose local training was kept (it lowered their loss)."""
-    if gate_epochs < 0 or dense_epochs < 0:
-        raise ValueError(f"gate_epochs {gate_epochs} and dense_epochs {dense_epochs}: passes cannot be negative")
+    _check_epochs(gate_epochs=gate_epochs, dense_epochs=dense_epochs)
     if ridge < 0:
         raise ValueError(f"ridge: {ridge} is negative")
     stem_layers, trained = set(stem.config.stem_layers), []
@@ -220,17 +223,23 @@ def refit_feedback(
 
         table = tables[str(layer)].weight if layer in stem_layers else None
         if table is not None or correct:
-            targets = [dense_stream.hidden[k][0].to(hidden[k]) - hidden[k][0] for k in range(len(chunks))]
-            _refit_down(stem_block, hidden, table, chunks, targets, ridge)
+            # One tensor over all positions (the training reads it whole), refit chunk by chunk through views of it.
+            targets = torch.cat([dense_stream.hidden[k][0].to(hidden[k]) - hidden[k][0] for k in range(len(chunks))])
+            per_chunk = targets.split([len(chunk) for chunk in chunks])
+            _refit_down(stem_block, hidden, table, chunks, per_chunk, ridge)
             epochs = gate_epochs if table is not None else dense_epochs
             if epochs:  # from the refit W_down, which is then refit again to the trained features
-                inputs = [stem_block.post_attention_layernorm(h[0]) for h in hidden]
-                rows = None if table is None else [table[chunk] for chunk in chunks]
-                if train_gate(stem_block.mlp, inputs, rows, targets, epochs):
-                    _refit_down(stem_block, hidden, table, chunks, targets, ridge)
+                # Passed without a name here: train_gate's own copies replace them (inference tensors cannot train).
+                if train_gate(
+                    stem_block.mlp,
+                    torch.cat([stem_block.post_attention_layernorm(h[0]) for h in hidden]),
+                    None if table is None else table[torch.cat(chunks).to(table.device)],
+                    targets,
+                    epochs,
+                ):
+                    _refit_down(stem_block, hidden, table, chunks, per_chunk, ridge)
                     trained.append(layer)
-                del inputs, rows
-            del targets
+            del targets, per_chunk
         for k, chunk in enumerate(chunks):
             h = _features(stem_block, hidden[k], None if table is None else table[chunk][None])
             hidden[k] = hidden[k] + stem_block.mlp.down_proj(h)

@@ -107,9 +107,10 @@ class StemCompactTable(nn.Module):
 
 
 class BlendedStem:
-    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s up- and down-projections, the other
-    weights the refit changes (every `o_proj`, the dense layers' FFNs) are blended with `dense`'s where they differ
-    (`StemBlendWeight`), and the rows of `tokens` in `stem`'s tables train as compact fp32 copies (`StemCompactTable`).
+    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s gate, up- and down-projections, the other
+    weights and biases conversion changes (every `o_proj`, the dense layers' FFNs) are blended with `dense`'s where they
+    differ (`StemBlendWeight`), and the rows of `tokens` in `stem`'s tables train as compact fp32 copies
+    (`StemCompactTable`).
     On exit the trained rows are written back into the tables and the STEM layers and weights are restored, also after
     an error."""
 
@@ -142,17 +143,21 @@ class BlendedStem:
             sources, modules = dict(self.dense.named_modules()), dict(self.stem.named_modules())
             for name in refit:
                 module, source = modules[name], sources.get(name)
-                if isinstance(source, nn.Linear) and not torch.equal(module.weight, source.weight):
-                    blend = StemBlendWeight(source.weight)
-                    parametrize.register_parametrization(module, "weight", blend)
-                    self.weights.append((module, blend))
+                if not isinstance(source, nn.Linear):
+                    continue
+                for tensor in ("weight", "bias"):  # local training changes the dense FFNs' biases too
+                    ours, theirs = getattr(module, tensor), getattr(source, tensor)
+                    if theirs is not None and not torch.equal(ours, theirs):
+                        blend = StemBlendWeight(theirs)
+                        parametrize.register_parametrization(module, tensor, blend)
+                        self.weights.append((module, tensor, blend))
         except BaseException:
             self._restore(write_back=False)
             raise
         return self
 
     def set_blend(self, a: float) -> None:
-        for blend in (*self.mlps, *(blend for _, blend in self.weights)):
+        for blend in (*self.mlps, *(blend for *_, blend in self.weights)):
             blend.blend = a
 
     def __exit__(self, *exc) -> None:
@@ -169,8 +174,8 @@ class BlendedStem:
         finally:
             for key, (table, mlp) in self.saved.items():
                 layers[int(key)].mlp, tables[key] = mlp, table
-            for module, _ in self.weights:  # the refit weight, as trained, is the module's weight again
-                parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            for module, tensor, _ in self.weights:  # the refit weight, as trained, is the module's weight again
+                parametrize.remove_parametrizations(module, tensor, leave_parametrized=False)
             self.weights.clear()
 
 

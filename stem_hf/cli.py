@@ -38,10 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="closed-form refit of output projections after the tables are set (default: all for fitted, else none)",
     )
     convert.add_argument(
-        "--gate-epochs", type=int, help="local training of the STEM layers' gates in the refit (default: 5 with it)"
+        "--gate-epochs",
+        type=int,
+        help="epochs of local training of the STEM layers' gates (default: 5 with --refit sequential/all, else 0)",
     )
     convert.add_argument(
-        "--dense-epochs", type=int, help="local training of the dense layers' FFNs with --refit all (default: 5)"
+        "--dense-epochs",
+        type=int,
+        help="epochs of local training of the dense layers' gate and up (default: 5 with --refit all, else 0)",
     )
     convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
     # Left unset, the healing options take `conversion.heal`'s defaults (the anneal's by init: `ANNEAL`).

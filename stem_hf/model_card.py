@@ -45,12 +45,18 @@ REFIT_TEXTS = {
 
 
 def _refit_text(report: dict) -> str | None:
-    """What the refit did, local training included (`gate_epochs`, `dense_epochs`)."""
+    """What the refit did, local training included where it was kept (`locally_trained_layers`)."""
     text = REFIT_TEXTS.get(report.get("refit") or _legacy_refit(report))
+    kept = set(report.get("locally_trained_layers") or ())
+    stem_layers = set(report.get("stem_layers") or ())
     trained = [
-        f"{what} trained locally along the way ({report[key]} epochs)"
-        for key, what in (("gate_epochs", "the STEM layers' gates"), ("dense_epochs", "the dense layers' gates and up"))
-        if report.get(key)
+        f"{what} of layer{'s' * (len(layers) > 1)} {', '.join(map(str, sorted(layers)))} trained locally along the way "
+        f"({report[key]} epochs)"
+        for key, what, layers in (
+            ("gate_epochs", "the gates", kept & stem_layers),
+            ("dense_epochs", "the gate and up projections", kept - stem_layers),
+        )
+        if report.get(key) and layers
     ]
     return f"{text}, {' and '.join(trained)}" if text and trained else text
 

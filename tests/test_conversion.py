@@ -375,9 +375,17 @@ def test_refit_along_the_stream_is_the_least_squares_fit_of_each_layer(kind, epo
     from conversion.feedback import refit_feedback
 
     dense = _dense(kind)  # llama has attention biases: o_proj has a bias the refit keeps
+    if epochs:
+        with torch.no_grad():  # FFNs a token row stands in for badly: local training has something to learn
+            for name, param in dense.named_parameters():
+                if name.endswith("proj.weight"):
+                    param.normal_(0.0, 0.3)
     chunks = [torch.tensor([1, *t]) for t in _texts(10, 60, seed=10)]
     stem, _ = convert(dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", refit="none")
-    refit_feedback(dense, stem, chunks, ridge=0.0, correct_dense=True, gate_epochs=epochs, dense_epochs=epochs)
+    trained = refit_feedback(
+        dense, stem, chunks, ridge=0.0, correct_dense=True, gate_epochs=epochs, dense_epochs=epochs
+    )
+    assert bool(trained) == (epochs > 0), trained
     runs = [(_streams(stem, c), _streams(dense, c)) for c in chunks]
     for layer in range(1, SHAPE["num_hidden_layers"]):
         block = stem.model.layers[layer]
@@ -472,14 +480,19 @@ def test_train_gate_lowers_its_loss_and_leaves_down_alone():
 
     before = loss()
     with torch.inference_mode():  # as the refit calls it
-        kept = train_gate(mlp, [x[:120], x[120:]], [rows[:120], rows[120:]], [target[:120], target[120:]], epochs=30)
+        kept = train_gate(mlp, x, rows.bfloat16(), target, epochs=30)  # rows in a table's dtype
     assert kept and loss() < 0.8 * before and torch.equal(mlp.down_proj.weight, down)
-    # Training that cannot help (the gate already gives the target) is not kept.
+    # Training that makes the loss worse (far too large steps) is not kept.
+    gate = mlp.gate_proj.weight.clone()
+    with torch.inference_mode():
+        assert not train_gate(mlp, x, rows, target, epochs=3, lr=100.0)
+    assert torch.equal(mlp.gate_proj.weight, gate)
+    # Nor training that cannot help (the gate already gives the target).
     gate = mlp.gate_proj.weight.clone()
     with torch.no_grad():
         exact = mlp.down_proj(F.silu(mlp.gate_proj(x)) * rows)
     with torch.inference_mode():
-        assert not train_gate(mlp, [x], [rows], [exact], epochs=3)
+        assert not train_gate(mlp, x, rows, exact, epochs=3)
     assert torch.equal(mlp.gate_proj.weight, gate)
 
 
@@ -489,8 +502,9 @@ def test_local_training_needs_the_refit_along_the_stream():
         convert(dense, stem_layers=[1], calibration=chunks, refit="plain", gate_epochs=2)
     with pytest.raises(ValueError, match="dense_epochs: local training .*refit 'all'.*'sequential'"):
         convert(dense, stem_layers=[1], calibration=chunks, refit="sequential", dense_epochs=2)
-    with pytest.raises(ValueError, match="gate_epochs: -1 is not a whole number of epochs"):
-        convert(dense, stem_layers=[1], calibration=chunks, gate_epochs=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"gate_epochs: {bad!r} is not a whole number of epochs"):
+            convert(dense, stem_layers=[1], calibration=chunks, gate_epochs=bad)
     _, report = convert(dense, stem_layers=[1], init="mean", calibration=chunks)
     assert (report["refit"], report["gate_epochs"], report["dense_epochs"]) == ("none", 0, 0)
 

@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
-from test_conversion import _dense, _texts
+from test_conversion import SHAPE, _dense, _texts
 from torch.nn.utils import parametrize
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from conversion import convert
 from conversion.heal import BlendedStem, StemBlendMLP, distillation_loss, heal
@@ -67,6 +68,32 @@ def test_the_blend_at_one_is_the_dense_model_and_at_zero_the_stem_model():
     assert not any("parametrizations" in k for k in stem.state_dict())
     with torch.no_grad():
         assert torch.equal(stem(ids).logits, stem_logits)
+
+
+def test_the_blend_at_one_is_dense_also_with_trained_ffn_biases():
+    """Local training changes the dense layers' gate and up biases too (a source with MLP biases): blended as well."""
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(LlamaConfig(**SHAPE, mlp_bias=True)).eval()
+    with torch.no_grad():
+        for name, param in dense.named_parameters():
+            if name.endswith("proj.weight"):
+                param.normal_(0.0, 0.3)
+            elif name.endswith("proj.bias"):
+                param.normal_(0.0, 0.1)
+    stem, report = convert(
+        dense, stem_layers=[1, 2], calibration=_texts(12, 120, seed=1), chunk_len=60, table_dtype="float32"
+    )
+    assert 3 in report["locally_trained_layers"]
+    assert not torch.equal(stem.model.layers[3].mlp.up_proj.bias, dense.model.layers[3].mlp.up_proj.bias)
+    ids = torch.randint(0, 64, (2, 17))
+    with torch.no_grad(), BlendedStem(dense, stem, torch.tensor([1, 5, 9])) as blend:
+        blended = {
+            (n, t) for n, m in stem.named_modules() for t in ("weight", "bias") if parametrize.is_parametrized(m, t)
+        }
+        assert {("model.layers.3.mlp.up_proj", "bias"), ("model.layers.3.mlp.gate_proj", "bias")} <= blended
+        blend.set_blend(1.0)
+        assert (stem(ids).logits - dense(ids).logits).abs().max() < 1e-5
+    assert not any("parametrizations" in k for k in stem.state_dict())
 
 
 @pytest.mark.parametrize(("train", "tied"), [("tables", False), ("ffn", False), ("all", False), ("all", True)])

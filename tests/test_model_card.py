@@ -153,12 +153,25 @@ def test_a_corrupt_report_is_a_warning_on_save_and_an_error_when_asked(tmp_path,
     [
         ({"refit": "all"}, "of every layer after the first STEM layer refit in closed form"),
         (
-            {"refit": "all", "gate_epochs": 5, "dense_epochs": 5},
-            "gates trained locally along the way (5 epochs) and the dense layers' gates and up",
+            {
+                "refit": "all",
+                "gate_epochs": 5,
+                "dense_epochs": 5,
+                "stem_layers": [1, 3],
+                "locally_trained_layers": [1, 2, 3],
+            },
+            "the gates of layers 1, 3 trained locally along the way (5 epochs) and the gate and up projections of "
+            "layer 2 trained",
         ),
         (
-            {"refit": "sequential", "gate_epochs": 3, "dense_epochs": 0},
-            "the STEM layers' gates trained locally along the way (3 epochs).",
+            {
+                "refit": "sequential",
+                "gate_epochs": 3,
+                "dense_epochs": 0,
+                "stem_layers": [1],
+                "locally_trained_layers": [],
+            },
+            "bring the residual stream back to the dense model's.",  # training was not kept anywhere: not claimed
         ),
         ({"refit": "plain"}, "refit in closed form to the dense FFN outputs"),
         ({"refit_down": True, "sequential": True}, "refit in closed form, layer by layer"),  # reports before `refit`
