@@ -6,8 +6,8 @@ dense up-projection borrowed from the source (and `W_d` and `W_g` blended likewi
 trained ones, see `StemBlendMLP`; so are the other weights conversion changed, see `StemBlendWeight`). At `a = 1` the
 model is exactly the dense one; `a` falls linearly from just below 1 (at `a = 1` the tables would get no gradient) to 0
 over the first `anneal` share of the steps, so the model never falls off a cliff; the rest of the budget trains the pure
-STEM model. The blend is removed at the end: the result has no `W_up`. An
-interrupted healing keeps what it trained so far (rows, and weights trained while `a > 0`).
+STEM model. The blend is removed at the end: the result has no `W_up`. An interrupted healing keeps what it trained so
+far (rows, and weights trained while `a > 0`).
 
 Rows train at `table_lr` 1e-3 by default, no faster: AdamW moves a row by about `3 lr` per element the first time its
 token occurs, and its momentum carries the row on for some ten steps with no gradient, about
