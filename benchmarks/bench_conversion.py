@@ -2,16 +2,18 @@
 healing, and along healing runs from the best init and from xavier. Prints JSON and saves a PNG of the healing curves.
 
 Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--inits fitted ...] [--heal-tokens N]
-       [--heal-ratios 1/3] [--plot PNG] [--json PATH]
+       [--heal-ratios 1/3] [--heal-precisions fp32 bf16] [--plot PNG] [--json PATH]
        python benchmarks/bench_conversion.py --replot RUN.json [RUN.json ...] --plot PNG
 
 Calibration text and held-out text are disjoint documents of the bundled corpus (conversion/assets.py); healing runs on
 the calibration corpus's text that follows the calibration tokens.
 A healing curve is one run of `--heal-tokens` tokens, evaluated on the held-out text at `--eval-every` tokens once the
-W_up blend is annealed out (before that the model still borrows the dense up-projection).
+W_up blend is annealed out (before that the model still borrows the dense up-projection). With several
+`--heal-precisions`, each start heals once per precision from copies of the same converted model, side by side.
 """
 
 import argparse
+import copy
 import json
 import os
 import time
@@ -20,7 +22,7 @@ import torch
 
 from conversion import convert, load_source
 from conversion.assets import corpora, smollm2_gguf
-from conversion.convert import chunk_texts, healing_chunks, perplexity
+from conversion.convert import calibration_and_healing_chunks, chunk_texts, perplexity
 from conversion.heal import ANNEAL, heal
 
 # convert() options of each variant. `fitted` refits every output projection from the first STEM layer on, layer by
@@ -39,6 +41,9 @@ VARIANTS = {
 }
 
 
+HEAL_FACTS = ("heal_train", "heal_anneal", "heal_table_lr", "heal_lr", "heal_rows", "heal_precision")
+
+
 def tokens_to_reach(curve: list[dict], ratio: float) -> int | None:
     return next((point["tokens"] for point in curve if point["over_dense"] <= ratio), None)
 
@@ -54,7 +59,8 @@ def plot(runs: list[tuple[str, dict]], dense_ppl: float, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for suffix, run in runs:
         points = [(0, run["before"])] + [(p["tokens"], p["over_dense"]) for p in run["curve"]]
-        label = f"STEM-{run['ratio']} from {run['init']}{suffix}"
+        precision = f", {run['heal_precision']}" if run.get("heal_precision", "fp32") != "fp32" else ""
+        label = f"STEM-{run['ratio']} from {run['init']}{precision}{suffix}"
         ax.plot(*zip(*points, strict=True), marker="o", label=label)
     for level, style in ((1.15, ":"), (1.5, "--")):
         ax.axhline(level, color="grey", linestyle=style, linewidth=1)
@@ -83,7 +89,7 @@ def replot(paths: list[str], out: str) -> None:
     plot(runs, dense_ppl, out)
 
 
-def healing_run(dense, stem, init: str, chunks, heldout, dense_ppl: float, args) -> dict:
+def healing_run(dense, stem, init: str, chunks, heldout, dense_ppl: float, precision: str, args) -> dict:
     """One healing run of `args.heal_tokens` tokens, evaluated on `heldout` every `args.eval_every` tokens."""
     curve, eval_s = [], 0.0
 
@@ -105,6 +111,7 @@ def healing_run(dense, stem, init: str, chunks, heldout, dense_ppl: float, args)
         train=args.heal_train,
         log_every=5,
         callback=evaluate,
+        precision=precision,
     )
     final = round(perplexity(stem, heldout) / dense_ppl, 3)
     if not curve or curve[-1]["tokens"] != info["heal_tokens"]:
@@ -115,7 +122,7 @@ def healing_run(dense, stem, init: str, chunks, heldout, dense_ppl: float, args)
         "final_over_dense": final,
         "tokens_to_1.5x": tokens_to_reach(curve, 1.5),
         "tokens_to_1.15x": tokens_to_reach(curve, 1.15),
-        **{k: info[k] for k in ("heal_train", "heal_anneal", "heal_table_lr", "heal_lr", "heal_rows")},
+        **{k: v for k, v in info.items() if k in HEAL_FACTS},
         "train_time_s": round(train_s, 1),
         "train_tokens_per_s": round(info["heal_tokens"] / train_s, 1),
     }
@@ -132,6 +139,7 @@ def main() -> None:
     parser.add_argument("--heal-tokens", type=int, default=90_000)
     parser.add_argument("--eval-every", type=int, default=15_000)
     parser.add_argument("--heal-train", default="all", choices=["tables", "ffn", "all"])
+    parser.add_argument("--heal-precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     parser.add_argument("--plot", default="benchmarks/results/healing.png", help="where the healing curves go")
     parser.add_argument("--json", help="also write the summary to this file")
     parser.add_argument("--replot", nargs="+", metavar="JSON", help="only redraw --plot from saved --json files")
@@ -145,8 +153,9 @@ def main() -> None:
     dense, tokenizer = load_source(smollm2_gguf())
     bos = dense.config.bos_token_id
     heldout = chunk_texts(texts["heldout"], tokenizer, bos, 512, args.heldout_tokens)
-    calib_chunks = chunk_texts(texts["calibration"], tokenizer, bos, 512, args.calibration_tokens)
-    heal_chunks = healing_chunks(texts["calibration"], tokenizer, bos, 512, calib_chunks, args.heal_tokens)
+    _, heal_chunks = calibration_and_healing_chunks(
+        texts["calibration"], tokenizer, bos, 512, args.calibration_tokens, args.heal_tokens
+    )
     dense_ppl = perplexity(dense, heldout)
     results, healing, kept = [], [], {}
     for ratio in args.ratios:
@@ -182,8 +191,12 @@ def main() -> None:
             del stem
 
     for (ratio, variant), (stem, before) in kept.items():
-        healing.append(healing_run(dense, stem, VARIANTS[variant]["init"], heal_chunks, heldout, dense_ppl, args))
-        healing[-1].update(ratio=ratio, init=variant, before=round(before, 3))
+        for i, precision in enumerate(args.heal_precisions):
+            start = stem if i == len(args.heal_precisions) - 1 else copy.deepcopy(stem)  # the last run heals `stem`
+            init = VARIANTS[variant]["init"]
+            healing.append(healing_run(dense, start, init, heal_chunks, heldout, dense_ppl, precision, args))
+            healing[-1].update(ratio=ratio, init=variant, before=round(before, 3))
+            del start
     summary = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
         "heldout_tokens": sum(len(c) for c in heldout),

@@ -23,6 +23,7 @@ def run_convert(args: argparse.Namespace) -> dict:
         "anneal": args.heal_anneal,
         "table_lr": args.heal_table_lr,
         "lr": args.heal_lr,
+        "precision": args.heal_precision,
     }
     _, report = convert(
         args.source,

@@ -55,13 +55,26 @@ def chunk_texts(texts, tokenizer, bos_token_id: int | None, chunk_len: int, max_
     return chunks
 
 
-def healing_chunks(texts, tokenizer, bos_token_id: int | None, chunk_len: int, calibration: list, tokens: int) -> list:
-    """Healing text: the text of `texts` that follows the `calibration` chunks taken from it, up to `tokens` tokens. The
-    tables and the refit are fit to the calibration tokens, so closely (SmolLM2-1/3 with pseudo-count 4: 1.03x dense
-    perplexity there, 1.65x on the text after them) that distilling on them again teaches the model little. Empty when
-    nothing follows; `heal` then cycles what it is given."""
-    used = sum(len(c) for c in calibration)
-    return chunk_texts(texts, tokenizer, bos_token_id, chunk_len, used + tokens + chunk_len)[len(calibration) :]
+def calibration_and_healing_chunks(
+    texts, tokenizer, bos_token_id: int | None, chunk_len: int, calibration_tokens: int | None, heal_tokens: int
+) -> tuple[list, list]:
+    """`texts` tokenized once into calibration chunks (`calibration_tokens` in all, cut as `chunk_texts` cuts them) and
+    the healing text that follows them (at least `heal_tokens` where the text holds them; the rest of the chunk the
+    calibration ends in is skipped). Healing reads fresh text because the tables and the refit are fit to the
+    calibration tokens so closely (SmolLM2-1/3 with pseudo-count 4: 1.03x dense perplexity there, 1.65x on the text
+    after them) that distilling on them again teaches the model little. The healing text is empty when nothing follows;
+    `heal` then cycles what it is given."""
+    budget = None if calibration_tokens is None else calibration_tokens + heal_tokens + chunk_len
+    chunks = chunk_texts(texts, tokenizer, bos_token_id, chunk_len, budget)
+    calibration, total = [], 0
+    for chunk in chunks:
+        if calibration_tokens is not None:
+            if total >= calibration_tokens:
+                break
+            chunk = chunk[: calibration_tokens - total]
+        calibration.append(chunk)
+        total += len(chunk)
+    return calibration, chunks[len(calibration) :]
 
 
 @torch.inference_mode()
@@ -190,10 +203,11 @@ def convert(
     `gate_epochs` (default 5 with `"sequential"` and `"all"`) then trains each STEM layer's gate locally along the
     stream, `dense_epochs` (default 5 with `"all"`) the gate and up-projection of each dense layer it refits. With
     `heal_tokens`, the initialized model is then distilled from the dense one on that many tokens of the calibration
-    text that follows the `calibration_tokens` (`healing_chunks`; the calibration tokens again only if the text runs
-    out), `heal_options` going to `conversion.heal.heal` (`anneal` defaults to `conversion.heal.ANNEAL[init]`), on
-    `device` (default: where the model is; tables stay in host memory). Saves to `out` (with the tokenizer, generation
-    config, `conversion_report.json` and a model card) when given, and returns `(model, report)`.
+    text that follows the `calibration_tokens` (`calibration_and_healing_chunks`; the calibration tokens again only if
+    the text runs out), `heal_options` going to `conversion.heal.heal` (`anneal` defaults to
+    `conversion.heal.ANNEAL[init]`), on `device` (default: where the model is; tables stay in host memory). Saves to
+    `out` (with the tokenizer, generation config, `conversion_report.json` and a model card) when given, and returns
+    `(model, report)`.
 
     For the report and the model card: `calibration_name` and `heldout_name` say what the texts are, `base_model` is
     the source's Hub id (default: `source` when it is one) and `license` its license id (e.g. "apache-2.0").
@@ -218,7 +232,9 @@ def convert(
     _copy_dense_weights(dense, stem)
     stem.generation_config = dense.generation_config
     bos = config.bos_token_id
-    calib_chunks = chunk_texts(calibration, tokenizer, bos, chunk_len, calibration_tokens)
+    calib_chunks, heal_chunks = calibration_and_healing_chunks(
+        calibration, tokenizer, bos, chunk_len, calibration_tokens, heal_tokens
+    )
     heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
     refit = ("all" if init == "fitted" else "none") if refit is None else refit
     gate_epochs, dense_epochs = _local_epochs(refit, gate_epochs, dense_epochs)
@@ -260,7 +276,6 @@ def convert(
         "heal_tokens": 0,
     }
     if heal_tokens:
-        heal_chunks = healing_chunks(calibration, tokenizer, bos, chunk_len, calib_chunks, heal_tokens)
         report["heal_text"] = "calibration text after the calibration tokens"
         if sum(len(c) for c in heal_chunks) < heal_tokens:  # the text ran out: cycle through all of it
             heal_chunks = heal_chunks + calib_chunks

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
     convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
+    convert.add_argument(
+        "--heal-precision", choices=("fp32", "bf16"), help="bf16: healing under bf16 autocast (default: fp32)"
+    )
     convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")
     convert.add_argument("--base-model", help="the source's Hub id, for the model card (default: SOURCE if a Hub id)")
     convert.add_argument("--license", help='the source\'s license id for the model card, e.g. "apache-2.0"')

@@ -228,6 +228,8 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
             "200",
             "--heal-train",
             "tables",
+            "--heal-precision",
+            "bf16",
             "--device",
             "cpu",
         ]
@@ -235,6 +237,7 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
     report = json.loads(capsys.readouterr().out)
     assert report["stem_layers"] == [1, 3] and report["init"] == "mean"
     assert report["heal_tokens"] == 200 and report["heal_train"] == "tables" and report["heal_lr"] is None
+    assert report["heal_precision"] == "bf16"
     assert report["calibration_tokens"] == 300 and report["heldout_tokens"] == 401  # capped; BOS + 400 words
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert json.loads((tmp_path / "out" / "conversion_report.json").read_text())["init"] == "mean"

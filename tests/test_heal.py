@@ -126,6 +126,23 @@ def test_healing_brings_the_stem_model_closer_to_dense(train, tied):
     assert tied == (stem.lm_head.weight is stem.model.embed_tokens.weight)
 
 
+def test_bf16_healing_trains_fp32_weights_under_autocast():
+    dense, stem = _converted(init="xavier")
+    chunks = [torch.tensor([1, *t[:59]]) for t in _texts(8, 120, seed=7)]
+    kl_before = _kl(dense, stem, chunks)
+    dtypes = []
+    down = stem.model.layers[1].mlp.down_proj  # shared with the blend that stands in for the STEM FFN
+    hook = down.register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+    info = heal(dense, stem, chunks, 3000, table_lr=3e-2, lr=1e-3, precision="bf16")
+    hook.remove()
+    assert dtypes and dtypes[-1] == torch.bfloat16  # the forwards ran under bf16 autocast
+    assert info["heal_precision"] == "bf16"
+    assert _kl(dense, stem, chunks) < 0.7 * kl_before  # scored in fp32 after healing
+    assert all(p.dtype == torch.float32 for p in stem.parameters())  # master weights and tables stay fp32
+    with torch.no_grad():
+        assert stem(chunks[0][None]).logits.dtype == torch.float32
+
+
 def test_an_interrupted_healing_restores_the_stem_layers():
     dense, stem = _converted()
 
@@ -165,6 +182,8 @@ def test_bad_healing_options_are_clear_errors():
         heal(dense, stem, chunks, tokens=10, warmup=2)
     with pytest.raises(ValueError, match="heal log_every: 0"):
         heal(dense, stem, chunks, tokens=10, log_every=0)
+    with pytest.raises(ValueError, match="heal precision: 'fp16' is not one of fp32, bf16"):
+        heal(dense, stem, chunks, tokens=10, precision="fp16")
     with pytest.raises(ValueError, match="table_lr 0 must be > 0"):
         heal(dense, stem, chunks, tokens=10, table_lr=0)
     with pytest.raises(ValueError, match="heal device: 'cuda:99' is not usable here"):  # before any calibration
@@ -219,17 +238,20 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
 
 
 def test_healing_text_follows_the_calibration_tokens():
-    from conversion.convert import chunk_texts, healing_chunks
+    from conversion.convert import calibration_and_healing_chunks, chunk_texts
 
     texts = _texts(8, 120, seed=4)
-    everything = chunk_texts(texts, None, 1, 60, None)
-    calibration = chunk_texts(texts, None, 1, 150, 300)  # ends inside a chunk, which healing then skips
-    heal_text = healing_chunks(texts, None, 1, 150, calibration, 250)
-    assert sum(len(c) for c in heal_text) >= 250
+    # the calibration ends inside a chunk, whose rest healing then skips
+    calibration, heal_text = calibration_and_healing_chunks(texts, None, 1, 150, 300, 250)
+    assert [c.tolist() for c in calibration] == [c.tolist() for c in chunk_texts(texts, None, 1, 150, 300)]
+    assert sum(len(c) for c in calibration) == 300 and sum(len(c) for c in heal_text) >= 250
     following = chunk_texts(texts, None, 1, 150, None)[len(calibration) :]  # the budget cuts only the last short
     assert [c.tolist() for c in heal_text[:-1]] == [c.tolist() for c in following[: len(heal_text) - 1]]
     assert heal_text[-1].tolist() == following[len(heal_text) - 1][: len(heal_text[-1])].tolist()
-    assert healing_chunks(texts, None, 1, 60, everything, 100) == []  # nothing follows: heal() gets the calibration
+    everything = chunk_texts(texts, None, 1, 60, None)
+    for cap in (None, 10_000):  # nothing follows: heal() gets the calibration
+        calibration, heal_text = calibration_and_healing_chunks(texts, None, 1, 60, cap, 100)
+        assert [c.tolist() for c in calibration] == [c.tolist() for c in everything] and heal_text == []
 
 
 def test_convert_heals_on_text_the_calibration_did_not_use():
