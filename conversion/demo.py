@@ -29,7 +29,11 @@ def _continue(model, tokenizer, prompt: str, bos: int | None, new_tokens: int = 
 
 
 def run_demo(
-    out: str = "runs/demo", source: str | None = None, calibration_tokens: int = 50_000, heal_tokens: int = 20_000
+    out: str = "runs/demo",
+    source: str | None = None,
+    calibration_tokens: int = 50_000,
+    heal_tokens: int = 20_000,
+    heal_precision: str = "auto",
 ) -> dict:
     torch.set_flush_denormal(True)  # dequantized GGUF weights hold denormals: 4-5x slower CPU matmuls without this
     provenance = {} if source else {"base_model": SMOLLM2_HUB_ID, "license": "apache-2.0"}
@@ -49,6 +53,7 @@ def run_demo(
         tokenizer=tokenizer,
         dense_epochs=0,  # the STEM layers' gates train locally, the dense layers do not: 15 minutes on 2 cores
         heal_tokens=heal_tokens,
+        heal_options={"precision": heal_precision},
         calibration_name=CORPUS_NAMES["calibration"],
         heldout_name=CORPUS_NAMES["heldout"],
         **provenance,
@@ -87,7 +92,8 @@ def run_demo(
         print(
             f"    STEM before healing {report['heldout_perplexity_stem_before_healing']:.1f} "
             f"({report['perplexity_ratio_before_healing']:.2f}x), after {report['heal_tokens']} healing tokens "
-            f"{report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x)"
+            f"{report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x; {report['heal_precision']}, "
+            f"{report['heal_wall_time_s']:.0f} s)"
         )
     else:
         print(f"    STEM, no healing: {report['heldout_perplexity_stem']:.1f} ({report['perplexity_ratio']:.2f}x)")

@@ -32,8 +32,9 @@ from tqdm import tqdm
 TRAINABLE = ("tables", "ffn", "all")
 # What the teacher and student forwards and the backward compute in. Master weights, rows, optimizer state and the KL
 # stay fp32 either way. bf16 autocast nearly halves the step time on a CPU with AVX512-BF16 (SmolLM2-1/3, 512 tokens:
-# 5.4 s fp32, 2.9 s bf16) and is the usual choice on a GPU; on a CPU without bf16 instructions it can be slower.
-PRECISIONS = ("fp32", "bf16")
+# 5.4 s fp32, 2.9 s bf16) and is the usual choice on a GPU; on a CPU without bf16 instructions it can be slower, so
+# "auto" takes bf16 only where the device has them (`resolve_precision`).
+PRECISIONS = ("fp32", "bf16", "auto")
 # The default share of healing that anneals `a` from 1 to 0, by init: a calibrated start is already a better model than
 # the blend on the way to it (from SmolLM2-1/3 `fitted`, 20k tokens: 1.61x dense perplexity with no anneal, 1.64x with
 # 0.25), while a start far from the dense model (11.9x for `xavier`) needs the progressive blend so as not to fall off
@@ -233,6 +234,21 @@ def check_heal_options(
             raise ValueError(f"heal device: {device!r} is not usable here ({error})") from error
 
 
+def resolve_precision(precision: str, device: str | torch.device) -> str:
+    """`precision`, with "auto" resolved for `device`: "bf16" on a GPU that supports it or a CPU with AVX512-BF16 or AMX
+    instructions, "fp32" elsewhere."""
+    if precision != "auto":
+        return precision
+    device = torch.device(device)
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    elif device.type == "cpu":
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    else:
+        native = False
+    return "bf16" if native else "fp32"
+
+
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """Mean over positions of KL(teacher || student) on the next-token distributions."""
     student = F.log_softmax(student_logits.float().flatten(0, -2), dim=-1)
@@ -266,7 +282,8 @@ def heal(
     are clipped to norm 1 for the table rows and the other weights apart (as the paper's code clips its tables).
     `callback(tokens_seen, a, kl)` is called every `log_every` steps with the blend `a` and the recent mean KL, the
     model in eval mode; it is valid for any input then (at `a == 0` it is the STEM model being healed). `precision`
-    "bf16" runs the forwards and the backward under bf16 autocast (`PRECISIONS`). Healing runs where `stem`'s embeddings
+    "bf16" runs the forwards and the backward under bf16 autocast, "auto" does where the device computes bf16 natively
+    (`resolve_precision`; the returned `heal_precision` says which ran). Healing runs where `stem`'s embeddings
     are; `dense` must be on the same device. Returns facts for the report."""
     check_heal_options(tokens, train, anneal, table_lr, lr, warmup, log_every, precision=precision)
     if not stem.config.stem_layers:
@@ -291,6 +308,7 @@ def heal(
         p.requires_grad_(True)
     seen = torch.unique(torch.cat(steps))
     device = stem.get_input_embeddings().weight.device
+    precision = resolve_precision(precision, device)
     losses, seen_tokens = [], 0
     try:
         with BlendedStem(dense, stem, seen) as blend:

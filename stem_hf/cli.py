@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--source", default=None, help="a dense checkpoint (default: the embedded SmolLM2-135M GGUF)")
     demo.add_argument("--calibration-tokens", type=int, default=50_000)
     demo.add_argument("--heal-tokens", type=int, default=20_000, help="healing budget (0: none)")
+    demo.add_argument(
+        "--heal-precision", choices=("fp32", "bf16", "auto"), default="auto", help="see convert --heal-precision"
+    )
     demo.add_argument("--tiny", action="store_true", help="the one-second example on a random tiny model instead")
 
     convert = commands.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint to STEM")
@@ -56,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
     convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
     convert.add_argument(
-        "--heal-precision", choices=("fp32", "bf16"), help="bf16: healing under bf16 autocast (default: fp32)"
+        "--heal-precision",
+        choices=("fp32", "bf16", "auto"),
+        help="bf16: healing under bf16 autocast; auto: bf16 where the device computes it natively (default: fp32)",
     )
     convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")
     convert.add_argument("--base-model", help="the source's Hub id, for the model card (default: SOURCE if a Hub id)")
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from conversion.demo import run_demo
 
-        run_demo(args.out, args.source, args.calibration_tokens, args.heal_tokens)
+        run_demo(args.out, args.source, args.calibration_tokens, args.heal_tokens, args.heal_precision)
     elif args.command == "convert":
         from conversion.cli import run_convert
 

@@ -41,3 +41,28 @@ def test_demo_runs_end_to_end(tmp_path):
     report = json.loads(result.stdout[result.stdout.index("{") :])
     assert report["max_abs_logit_diff"] == 0.0 and report["stem_layers"] == [1, 3, 5]
     assert (tmp_path / "demo-out" / "stem-tiny" / "modeling_stem.py").is_file()
+
+
+def test_the_conversion_demo_runs_on_any_supported_source(tmp_path, capsys):
+    """`stem-hf demo --source`: the `make demo` path end to end (convert with the bundled corpus, heal in bf16, save,
+    reload with trust_remote_code, compare), on a tiny Llama with a byte tokenizer instead of SmolLM2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import BYTE_VOCAB, TINY, byte_tokenizer
+
+    config = {**TINY, "vocab_size": BYTE_VOCAB, "max_position_embeddings": 512, "num_hidden_layers": 3}
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp_path / "src")
+    byte_tokenizer().save_pretrained(tmp_path / "src")
+    out = tmp_path / "out"
+    main(
+        ["demo", "--source", str(tmp_path / "src"), "--out", str(out), "--calibration-tokens", "3000"]
+        + ["--heal-tokens", "1000", "--heal-precision", "bf16"]
+    )
+    printed = capsys.readouterr().out
+    report = json.loads(printed[printed.index("\n{") :])
+    assert report["stem_layers"] == [1] and report["heal_tokens"] == 1000 and report["heal_precision"] == "bf16"
+    assert report["remote_code_max_abs_diff"] == 0.0
+    assert "after 1000 healing tokens" in printed and "bf16" in printed
+    assert printed.count("    STEM:  ") == 3
+    saved = json.loads((out / "stem-1-3" / "conversion_report.json").read_text())
+    assert saved["source"] == str(tmp_path / "src") and saved["heal_precision"] == "bf16"

@@ -143,6 +143,17 @@ def test_bf16_healing_trains_fp32_weights_under_autocast():
         assert stem(chunks[0][None]).logits.dtype == torch.float32
 
 
+def test_auto_precision_resolves_to_what_the_device_computes_natively():
+    from conversion.heal import resolve_precision
+
+    dense, stem = _converted()
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert resolve_precision("auto", "cpu") == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", "meta") == "fp32" and resolve_precision("bf16", "meta") == "bf16"
+    info = heal(dense, stem, [torch.tensor([1, 5, 6, 7] * 10)], tokens=80, precision="auto")
+    assert info["heal_precision"] == resolve_precision("auto", "cpu")  # the report names what ran, never "auto"
+
+
 def test_an_interrupted_healing_restores_the_stem_layers():
     dense, stem = _converted()
 
@@ -182,7 +193,7 @@ def test_bad_healing_options_are_clear_errors():
         heal(dense, stem, chunks, tokens=10, warmup=2)
     with pytest.raises(ValueError, match="heal log_every: 0"):
         heal(dense, stem, chunks, tokens=10, log_every=0)
-    with pytest.raises(ValueError, match="heal precision: 'fp16' is not one of fp32, bf16"):
+    with pytest.raises(ValueError, match="heal precision: 'fp16' is not one of fp32, bf16, auto"):
         heal(dense, stem, chunks, tokens=10, precision="fp16")
     with pytest.raises(ValueError, match="table_lr 0 must be > 0"):
         heal(dense, stem, chunks, tokens=10, table_lr=0)
