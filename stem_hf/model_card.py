@@ -236,6 +236,7 @@ def render_model_card(
             heal_tokens=f"{report['heal_tokens']:,}" if report.get("heal_tokens") else 0,
             unseen_rows=UNSEEN_ROWS.get(report.get("init")),
             heal_train=report.get("heal_train"),
+            heal_precision=report.get("heal_precision", "fp32"),  # reports before it healed in fp32
             heal_text=report.get("heal_text") or "the calibration text",  # reports before `heal_text` healed on it
             heldout_tokens=f"{report.get('heldout_tokens', 0):,}" if report.get("heldout_tokens") else 0,
             heldout_data=report.get("heldout_data") or "held-out text",

@@ -66,3 +66,4 @@ def test_the_conversion_demo_runs_on_any_supported_source(tmp_path, capsys):
     assert printed.count("    STEM:  ") == 3
     saved = json.loads((out / "stem-1-3" / "conversion_report.json").read_text())
     assert saved["source"] == str(tmp_path / "src") and saved["heal_precision"] == "bf16"
+    assert "training `all` under bf16 autocast." in (out / "stem-1-3" / "README.md").read_text()

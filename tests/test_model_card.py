@@ -68,7 +68,7 @@ def test_the_card_of_a_converted_model_states_its_figures(converted):
         f"STEM layers: {', '.join(map(str, model.config.stem_layers))}",
         f"{report['calibration_tokens']:,} tokens of two test sentences",
         f"{report['vocab_coverage']:.1%} of the vocabulary",
-        f"on {report['heal_tokens']:,} tokens of {report['heal_text']},",
+        f"on {report['heal_tokens']:,} tokens of {report['heal_text']},\n  training `all`.",  # fp32: no autocast
         f"| dense source, as loaded for the conversion | {report['heldout_perplexity_dense']:.2f} | 1.00x |",
         f"| STEM (this model) | {report['heldout_perplexity_stem']:.2f} | {report['perplexity_ratio']:.2f}x |",
         "Converted from the dense **example-org/tiny-dense**\n(LlamaForCausalLM)",
