@@ -9,7 +9,8 @@ Calibration text and held-out text are disjoint documents of the bundled corpus 
 the calibration corpus's text that follows the calibration tokens.
 A healing curve is one run of `--heal-tokens` tokens, evaluated on the held-out text at `--eval-every` tokens once the
 W_up blend is annealed out (before that the model still borrows the dense up-projection). With several
-`--heal-precisions`, each start heals once per precision from copies of the same converted model, side by side.
+`--heal-precisions`, each start heals once per precision from copies of the same converted model, side by side; held-out
+perplexities are always scored in fp32, while a curve's `kl` is the training KL, computed in the run's precision.
 """
 
 import argparse
@@ -41,6 +42,8 @@ VARIANTS = {
 }
 
 
+# What a healing run's summary repeats from `heal`'s report: its settings, not its timings (measured here without the
+# held-out evaluations).
 HEAL_FACTS = ("heal_train", "heal_anneal", "heal_table_lr", "heal_lr", "heal_rows", "heal_precision")
 
 

@@ -216,6 +216,9 @@ def convert(
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
     if refit is not None and refit not in REFITS:
         raise ValueError(f"refit: {refit!r} is not one of {', '.join(REFITS)}")
+    for name, cap in (("calibration_tokens", calibration_tokens), ("heldout_tokens", heldout_tokens)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{name}: {cap} must be at least 1 (or None: all the text)")
     heal_options = {"anneal": ANNEAL[init], **(heal_options or {})}
     check_heal_options(heal_tokens, **heal_options, device=device)
     if heal_tokens and not calibration:

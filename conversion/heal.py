@@ -22,6 +22,7 @@ tables at the end. Dense AdamW over full fp32 tables would cost ~1.2 GB per Smol
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -241,7 +242,8 @@ def resolve_precision(precision: str, device: str | torch.device) -> str:
         return precision
     device = torch.device(device)
     if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
+        with torch.cuda.device(device):  # the healing device, not the current one; V100s and T4s only emulate bf16
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
     elif device.type == "cpu":
         native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     else:
@@ -333,7 +335,9 @@ def heal(
                 a = max(0.0, 1.0 - (step + 1) / (n_anneal + 1))  # n_anneal steps strictly between 1 and 0
                 blend.set_blend(a)
                 ids = ids[None].to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                # fp32 opens no autocast context at all: not every device type has one
+                bf16 = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+                with bf16:
                     with torch.no_grad():
                         teacher = dense(ids, use_cache=False).logits
                     student = stem(ids, use_cache=False).logits

@@ -4,6 +4,8 @@ import argparse
 import json
 import os
 
+HEAL_PRECISIONS = ("fp32", "bf16", "auto")  # conversion.heal.PRECISIONS, without importing torch to parse arguments
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stem-hf", description="STEM models for Hugging Face Transformers")
@@ -19,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calibration-tokens", type=int, default=50_000)
     demo.add_argument("--heal-tokens", type=int, default=20_000, help="healing budget (0: none)")
     demo.add_argument(
-        "--heal-precision", choices=("fp32", "bf16", "auto"), default="auto", help="see convert --heal-precision"
+        "--heal-precision", choices=HEAL_PRECISIONS, default="auto", help="as convert's, but the default is auto"
     )
     demo.add_argument("--tiny", action="store_true", help="the one-second example on a random tiny model instead")
 
@@ -60,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
     convert.add_argument(
         "--heal-precision",
-        choices=("fp32", "bf16", "auto"),
+        choices=HEAL_PRECISIONS,
         help="bf16: healing under bf16 autocast; auto: bf16 where the device computes it natively (default: fp32)",
     )
     convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")

@@ -130,12 +130,21 @@ def test_bf16_healing_trains_fp32_weights_under_autocast():
     dense, stem = _converted(init="xavier")
     chunks = [torch.tensor([1, *t[:59]]) for t in _texts(8, 120, seed=7)]
     kl_before = _kl(dense, stem, chunks)
-    dtypes = []
-    down = stem.model.layers[1].mlp.down_proj  # shared with the blend that stands in for the STEM FFN
-    hook = down.register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
-    info = heal(dense, stem, chunks, 3000, table_lr=3e-2, lr=1e-3, precision="bf16")
-    hook.remove()
-    assert dtypes and dtypes[-1] == torch.bfloat16  # the forwards ran under bf16 autocast
+    dtypes, rows = {"dense": [], "stem": []}, []
+    hooks = [  # the student's down_proj is shared with the blend that stands in for its STEM FFN
+        model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out, k=key: dtypes[k].append(out.dtype))
+        for key, model in (("dense", dense), ("stem", stem))
+    ]
+
+    def compact_rows(*args):  # inside healing: the tables are the compact trained copies
+        rows.extend((t.weight.dtype, t.weight.grad) for t in stem.model.stem_tables.values())
+
+    info = heal(dense, stem, chunks, 3000, table_lr=3e-2, lr=1e-3, precision="bf16", callback=compact_rows)
+    for hook in hooks:
+        hook.remove()
+    # the last training steps (the KL before training is scored in fp32): teacher and student under autocast
+    assert set(dtypes["dense"][-5:]) == set(dtypes["stem"][-5:]) == {torch.bfloat16}
+    assert rows and all(dtype == torch.float32 and grad is None for dtype, grad in rows)  # fp32, gradients cleared
     assert info["heal_precision"] == "bf16"
     assert _kl(dense, stem, chunks) < 0.7 * kl_before  # scored in fp32 after healing
     assert all(p.dtype == torch.float32 for p in stem.parameters())  # master weights and tables stay fp32
@@ -176,6 +185,13 @@ def test_only_rows_of_tokens_in_the_text_change():
     assert info["heal_rows"] == 6
     touched = (table != before).any(dim=1).nonzero().flatten().tolist()
     assert touched == [1, 5, 6, 7, 8, 9]
+
+
+def test_bad_token_caps_are_clear_errors():
+    dense = _opinionated("llama")
+    for name in ("calibration_tokens", "heldout_tokens"):
+        with pytest.raises(ValueError, match=f"{name}: 0 must be at least 1"):
+            convert(dense, stem_layers=[1], init="xavier", **{name: 0})
 
 
 def test_bad_healing_options_are_clear_errors():
