@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 TRAINABLE = ("tables", "ffn", "all")
 # What the teacher and student forwards and the backward compute in. Master weights, rows, optimizer state and the KL
-# stay fp32 either way. bf16 autocast nearly halves the step time on a CPU with AVX512-BF16 (SmolLM2-1/3, 512 tokens:
-# 5.4 s fp32, 2.9 s bf16) and is the usual choice on a GPU; on a CPU without bf16 instructions it can be slower, so
-# "auto" takes bf16 only where the device has them (`resolve_precision`).
+# stay fp32 either way. bf16 autocast heals SmolLM2-1/3 1.78x as fast on a CPU with AVX512-BF16, to the same held-out
+# perplexity (benchmarks/results/bench_conversion_bf16.json), and is the usual choice on a GPU; on a CPU without bf16
+# instructions it can be slower, so "auto" takes bf16 only where the device has them (`resolve_precision`).
 PRECISIONS = ("fp32", "bf16", "auto")
 # The default share of healing that anneals `a` from 1 to 0, by init: a calibrated start is already a better model than
 # the blend on the way to it (from SmolLM2-1/3 `fitted`, 20k tokens: 1.61x dense perplexity with no anneal, 1.64x with
