@@ -5,6 +5,7 @@ layer only, and the forward stops after the last chosen layer. Position 0 (the a
 tokenizer has one) is kept apart: its FFN input is a function of that token alone, so it gets an exact row.
 """
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,3 +120,43 @@ def calibrate(
 
     run_to_layers(model, chunks, layers, collect, "calibrating")
     return stats
+
+
+@torch.inference_mode()
+def context_inputs(
+    model, layers: list[int], prefix: list[int], vocab_size: int, batch: int = 2048
+) -> dict[int, torch.Tensor]:
+    """`{layer: [vocab_size, hidden]}`: each of `layers`' FFN input at token t when `model` reads `prefix` then t, for
+    every token t. Computed with the prefix's keys and values cached, one position per token; the forward stops after
+    the last of `layers`. Memory: `vocab_size x hidden` floats per layer, as much as calibration's `sum_x` at full
+    coverage."""
+    device = model.get_input_embeddings().weight.device
+    inputs = {layer: torch.zeros(vocab_size, model.config.hidden_size) for layer in layers}
+    prefix_cache = model(torch.tensor([prefix], device=device), use_cache=True).past_key_values
+    start = [0]
+
+    def hook(layer):
+        def pre_forward(module, args):
+            inputs[layer][start[0] : start[0] + len(args[0])] = args[0][:, -1].float().cpu()
+            if layer == max(layers):
+                raise _Stop
+
+        return model.model.layers[layer].mlp.register_forward_pre_hook(pre_forward)
+
+    def batches():
+        for start[0] in tqdm(range(0, vocab_size, batch), desc="context inputs", unit="batch"):
+            yield torch.arange(start[0], min(start[0] + batch, vocab_size), device=device)
+
+    hooks = [hook(layer) for layer in layers]
+    try:
+        for tokens in batches():
+            cache = copy.deepcopy(prefix_cache)  # the forward appends to it
+            cache.batch_repeat_interleave(len(tokens))
+            try:
+                model(tokens[:, None], past_key_values=cache, use_cache=True)
+            except _Stop:
+                pass
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return inputs

@@ -35,6 +35,7 @@ def run_convert(args: argparse.Namespace) -> dict:
         heldout=heldout,
         heldout_tokens=args.heldout_tokens,
         table_dtype=DTYPE_ALIASES.get(args.table_dtype, args.table_dtype),
+        prior_context=args.prior_context,
         refit=args.refit,
         gate_epochs=args.gate_epochs,
         dense_epochs=args.dense_epochs,

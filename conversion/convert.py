@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from stem_hf import StemForCausalLM, write_model_card
 
-from .calibrate import calibrate
+from .calibrate import calibrate, context_inputs
 from .feedback import refit_feedback
 from .heal import ANNEAL, check_heal_options, heal
 from .init_tables import calibrated_rows, projected_rows, ridge_map
@@ -109,8 +109,12 @@ def init_tables(
     shrink: float = 16.0,
     ridge: float = 1e-2,
     layers: list[int] | None = None,
+    prior_prefix: list[int] | None = None,
 ) -> dict:
-    """Fills every table of `stem` (or those of `layers`) from `dense`. Returns calibration facts for the report."""
+    """Fills every table of `stem` (or those of `layers`) from `dense`. Returns calibration facts for the report.
+    `prior_prefix` (token ids, for `mean` and `fitted`): the fallback that rare and unseen tokens' rows lean on is a
+    ridge map from the token's input embedding and its FFN input after this prefix (`context_inputs`), not from the
+    embedding alone."""
     layers = stem.config.stem_layers if layers is None else layers
     vocab = stem.config.vocab_size
     embed = dense.get_input_embeddings().weight.detach()
@@ -133,21 +137,29 @@ def init_tables(
             "distinct_tokens": len(seen),
             "vocab_coverage": len(seen) / vocab,
         }
+    context = None
+    if stats is not None and prior_prefix is not None:
+        context = context_inputs(dense, layers, prior_prefix, vocab)
     bos = stem.config.bos_token_id if chunks and all(c[0] == stem.config.bos_token_id for c in chunks) else None
     for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
         dense_layer = dense.model.layers[layer]
         table = stem.model.stem_tables[str(layer)].weight
+        features = embed  # what the fallback is a map from
         if stats is not None:
             s = stats[layer]
+            if context is not None:
+                features = torch.cat([embed.float(), context.pop(layer)], dim=1)
             fallback = ridge_map(
-                embed, seen, s.sum_x[: len(seen)] / s.count[: len(seen), None].clamp(min=1), s.count, ridge
+                features, seen, s.sum_x[: len(seen)] / s.count[: len(seen), None].clamp(min=1), s.count, ridge
             )
         for start in range(0, vocab, ROW_BLOCK):
             rows = slice(start, min(start + ROW_BLOCK, vocab))
             if init == "projected":
                 block = projected_rows(dense_layer, embed, rows)
             else:
-                block = calibrated_rows(dense_layer.mlp, stats[layer], slots, fallback, embed, rows, init, shrink, bos)
+                block = calibrated_rows(
+                    dense_layer.mlp, stats[layer], slots, fallback, features, rows, init, shrink, bos
+                )
             table[rows] = block.to(table.dtype)
     return info
 
@@ -181,6 +193,7 @@ def convert(
     tokenizer=None,
     chunk_len: int = 512,
     shrink: float = 16.0,
+    prior_context: str | None = None,
     refit: str | None = None,
     gate_epochs: int | None = None,
     dense_epochs: int | None = None,
@@ -244,7 +257,14 @@ def convert(
     for what, needed in ((f"init {init!r}", init in ("mean", "fitted")), (f"refit {refit!r}", refit != "none")):
         if needed and config.stem_layers and not calib_chunks:
             raise ValueError(f"{what} needs calibration text (--calibration)")
-    calibration_info = init_tables(dense, stem, init, calib_chunks, shrink)
+    prior_prefix = None
+    if prior_context is not None and init in ("mean", "fitted"):
+        if tokenizer is None:
+            raise ValueError("prior_context: a text needs the source's tokenizer (pass `tokenizer=`)")
+        prior_prefix = ([] if bos is None else [bos]) + tokenizer(prior_context, add_special_tokens=False)["input_ids"]
+        if not prior_prefix:
+            raise ValueError(f"prior_context: {prior_context!r} holds no token and the source has no BOS")
+    calibration_info = init_tables(dense, stem, init, calib_chunks, shrink, prior_prefix=prior_prefix)
     if refit == "plain" and config.stem_layers:
         refit_down(dense, stem, calib_chunks)
     locally_trained = []
@@ -262,6 +282,7 @@ def convert(
         "license": license,
         "stem_layers": config.stem_layers,
         "init": init,
+        "prior_context": prior_context if prior_prefix is not None else None,
         "refit": refit if config.stem_layers else "none",
         "gate_epochs": gate_epochs if config.stem_layers else 0,
         "dense_epochs": dense_epochs if config.stem_layers else 0,

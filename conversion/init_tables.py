@@ -5,16 +5,17 @@
 - `fitted`: per channel j, `sum(s_j^2 u_j) / sum(s_j^2)` with `s = SiLU(W_gate x)`, `u = W_up x`: the weighted
   least-squares row for the product `s * u` that feeds `W_down`.
 Rare tokens are shrunk (pseudo-count `shrink`) toward, and unseen tokens get, a fallback: the up-projection of a ridge
-map from the token's input embedding to its mean FFN input. The BOS token gets the exact position-0 row.
+map from the token's features (its input embedding, and with a prior context its FFN input after that context) to its
+mean FFN input. The BOS token gets the exact position-0 row.
 """
 
 import torch
 
 
-def ridge_map(embed: torch.Tensor, tokens: torch.Tensor, mean_x: torch.Tensor, counts: torch.Tensor, lam: float):
-    """Affine map `[E, 1] @ A` fit by count-weighted ridge regression from embeddings of seen tokens to their mean FFN
-    inputs. Returns a function of embeddings."""
-    features = torch.cat([embed[tokens].double(), torch.ones(len(tokens), 1, dtype=torch.float64)], dim=1)
+def ridge_map(features: torch.Tensor, tokens: torch.Tensor, mean_x: torch.Tensor, counts: torch.Tensor, lam: float):
+    """Affine map `[F, 1] @ A` fit by count-weighted ridge regression from the features `F` (`[vocab, n]`) of seen
+    `tokens` to their mean FFN inputs. Returns a function of features."""
+    features = torch.cat([features[tokens].double(), torch.ones(len(tokens), 1, dtype=torch.float64)], dim=1)
     weighted = features * counts.double()[:, None]
     gram = features.T @ weighted
     gram += lam * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=torch.float64)
@@ -37,17 +38,17 @@ def calibrated_rows(
     stats,
     slots: torch.Tensor,
     fallback_x,
-    embed: torch.Tensor,
+    features: torch.Tensor,
     rows: slice,
     init: str,
     shrink: float,
     bos_token_id: int | None,
 ) -> torch.Tensor:
-    """Rows `rows` of the table for `init` in ("mean", "fitted")."""
-    token_ids = torch.arange(embed.shape[0])[rows]
+    """Rows `rows` of the table for `init` in ("mean", "fitted"); `features`: `[vocab, n]`, what `fallback_x` maps."""
+    token_ids = torch.arange(features.shape[0])[rows]
     slot = slots[rows]
     seen = slot >= 0
-    prior_x = fallback_x(embed[rows])  # [n, hidden]
+    prior_x = fallback_x(features[rows])  # [n, hidden]
     if init == "mean":
         count = torch.zeros(len(slot))
         sum_x = torch.zeros_like(prior_x)

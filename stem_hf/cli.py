@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
     )
     convert.add_argument(
+        "--prior-context",
+        help='fitted/mean: rare and unseen tokens\' rows lean on their FFN input after BOS and this text, e.g. " the"',
+    )
+    convert.add_argument(
         "--refit",
         choices=["none", "plain", "sequential", "all"],
         help="closed-form refit of output projections after the tables are set (default: all for fitted, else none)",

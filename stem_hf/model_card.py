@@ -44,6 +44,13 @@ REFIT_TEXTS = {
 }
 
 
+def _unseen_rows(report: dict) -> str | None:
+    text = UNSEEN_ROWS.get(report.get("init"))
+    if text and report.get("prior_context") is not None:
+        text += f" and their FFN inputs after BOS and {report['prior_context']!r}"
+    return text
+
+
 def _refit_text(report: dict) -> str | None:
     """What the refit did, local training included where it was kept (`locally_trained_layers`)."""
     text = REFIT_TEXTS.get(report.get("refit") or _legacy_refit(report))
@@ -234,7 +241,7 @@ def render_model_card(
             distinct_tokens=f"{report.get('distinct_tokens', 0):,}",
             vocab_coverage=f"{report.get('vocab_coverage', 0.0):.1%}",
             heal_tokens=f"{report['heal_tokens']:,}" if report.get("heal_tokens") else 0,
-            unseen_rows=UNSEEN_ROWS.get(report.get("init")),
+            unseen_rows=_unseen_rows(report),
             heal_train=report.get("heal_train"),
             heal_precision=report.get("heal_precision", "fp32"),  # reports before it healed in fp32
             heal_text=report.get("heal_text") or "the calibration text",  # reports before `heal_text` healed on it

@@ -216,6 +216,8 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
             "1,3",
             "--init",
             "mean",
+            "--prior-context",
+            "w3 w4",
             "--calibration",
             str(tmp_path / "calib.txt"),
             "--heldout",
@@ -235,7 +237,7 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
         ]
     )
     report = json.loads(capsys.readouterr().out)
-    assert report["stem_layers"] == [1, 3] and report["init"] == "mean"
+    assert report["stem_layers"] == [1, 3] and report["init"] == "mean" and report["prior_context"] == "w3 w4"
     assert report["heal_tokens"] == 200 and report["heal_train"] == "tables" and report["heal_lr"] is None
     assert report["heal_precision"] == "bf16"
     assert report["calibration_tokens"] == 300 and report["heldout_tokens"] == 401  # capped; BOS + 400 words
@@ -517,3 +519,49 @@ def test_refit_needs_calibration_text_and_a_known_name():
         convert(_dense("llama"), stem_layers=[1], init="projected", refit="sequential")
     with pytest.raises(ValueError, match="refit: 'feedback' is not one of none, plain, sequential, all"):
         convert(_dense("llama"), stem_layers=[1], init="projected", refit="feedback")
+
+
+def test_context_inputs_are_the_ffn_inputs_after_the_prefix():
+    from conversion.calibrate import context_inputs
+
+    dense = _dense("qwen3")
+    got = context_inputs(dense, [1, 2], [1, 7, 9], SHAPE["vocab_size"], batch=24)  # batches that split the vocab
+    seen, handles = {}, []
+    for layer in (1, 2):
+        hook = lambda _m, args, layer=layer: seen.__setitem__(layer, args[0][:, -1])  # noqa: E731
+        handles.append(dense.model.layers[layer].mlp.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        dense(torch.tensor([[1, 7, 9, t] for t in range(SHAPE["vocab_size"])]))
+    for handle in handles:
+        handle.remove()
+    for layer in (1, 2):
+        assert torch.allclose(got[layer], seen[layer], atol=1e-5)
+
+
+def test_prior_context_moves_only_the_rows_that_lean_on_the_fallback():
+    dense, calibration = _dense("llama"), _texts(6, 200, seed=1)
+    options = dict(stem_layers=[1, 2], init="fitted", calibration=calibration, table_dtype="float32", chunk_len=50)
+    tokenizer = _word_tokenizer()
+    plain, _ = convert(dense, refit="none", **options)
+    context, report = convert(dense, refit="none", prior_context="w5 w9", tokenizer=tokenizer, **options)
+    assert report["prior_context"] == "w5 w9"
+    seen = torch.zeros(SHAPE["vocab_size"], dtype=torch.bool)
+    seen[torch.tensor([t for text in calibration for t in text])] = True
+    seen[SHAPE["bos_token_id"]] = True  # the exact position-0 row
+    for layer in ("1", "2"):
+        a, b = plain.model.stem_tables[layer].weight, context.model.stem_tables[layer].weight
+        assert not torch.allclose(a[~seen], b[~seen], atol=1e-3)  # unseen tokens: the fallback itself
+        assert not torch.allclose(a[seen], b[seen], atol=1e-3)  # seen ones: shrunk toward it
+        assert torch.isfinite(b).all()
+    # No shrinkage: a seen token's row is its calibration statistics alone, whatever the fallback.
+    plain, _ = convert(dense, refit="none", shrink=0.0, **options)
+    context, _ = convert(dense, refit="none", shrink=0.0, prior_context="w5", tokenizer=tokenizer, **options)
+    seen[SHAPE["bos_token_id"]] = False
+    for layer in ("1", "2"):
+        a, b = plain.model.stem_tables[layer].weight, context.model.stem_tables[layer].weight
+        assert torch.allclose(a[seen], b[seen], atol=1e-5)
+
+
+def test_prior_context_needs_a_tokenizer():
+    with pytest.raises(ValueError, match="prior_context: a text needs the source's tokenizer"):
+        convert(_dense("llama"), stem_layers=[1], calibration=_texts(2, 100, seed=1), prior_context=" the")

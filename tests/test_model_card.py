@@ -189,3 +189,14 @@ def test_the_card_says_which_refit_ran(tmp_path, report, says):
         assert "refit" not in text.split("tables initialized with")[1].split("\n")[0]
     else:
         assert says in text
+
+
+@pytest.mark.parametrize("prior_context", [None, " the"])
+def test_the_card_says_what_unseen_rows_lean_on(tmp_path, prior_context):
+    folder = tmp_path / "ckpt"
+    tiny_model().save_pretrained(folder)
+    report = {"source": "somewhere", "init": "fitted", "prior_context": prior_context, "calibration_tokens": 10}
+    (folder / "conversion_report.json").write_text(json.dumps(report))
+    text = str(render_model_card(folder))
+    assert "rows of unseen tokens are predicted from their embeddings" in text
+    assert ("FFN inputs after BOS and ' the'" in text) == (prior_context is not None)
