@@ -124,33 +124,33 @@ def calibrate(
 
 @torch.inference_mode()
 def context_inputs(
-    model, layers: list[int], prefix: list[int], vocab_size: int, batch: int = 2048
+    model: torch.nn.Module, layers: list[int], prefix: list[int], vocab_size: int, positions: int = 4096
 ) -> dict[int, torch.Tensor]:
-    """`{layer: [vocab_size, hidden]}`: each of `layers`' FFN input at token t when `model` reads `prefix` then t, for
-    every token t. Computed with the prefix's keys and values cached, one position per token; the forward stops after
-    the last of `layers`. Memory: `vocab_size x hidden` floats per layer, as much as calibration's `sum_x` at full
-    coverage."""
+    """`{layer: [vocab_size, hidden]}` on the CPU: each of `layers`' FFN input at token t when `model` reads `prefix`
+    then t, for every token t. The prefix's keys and values are computed once and repeated for each batch of tokens,
+    one new position per token; the forward stops after the last of `layers`. A batch holds about `positions` cached
+    positions per layer. Memory: `vocab_size x hidden` fp32 values per layer (113 MB per SmolLM2 layer, 2.1 GB per
+    8B-Llama layer)."""
     device = model.get_input_embeddings().weight.device
     inputs = {layer: torch.zeros(vocab_size, model.config.hidden_size) for layer in layers}
     prefix_cache = model(torch.tensor([prefix], device=device), use_cache=True).past_key_values
-    start = [0]
+    last, offset = max(layers), [0]
 
     def hook(layer):
         def pre_forward(module, args):
-            inputs[layer][start[0] : start[0] + len(args[0])] = args[0][:, -1].float().cpu()
-            if layer == max(layers):
+            inputs[layer][offset[0] : offset[0] + len(args[0])] = args[0][:, -1].float().cpu()
+            if layer == last:
                 raise _Stop
 
         return model.model.layers[layer].mlp.register_forward_pre_hook(pre_forward)
 
-    def batches():
-        for start[0] in tqdm(range(0, vocab_size, batch), desc="context inputs", unit="batch"):
-            yield torch.arange(start[0], min(start[0] + batch, vocab_size), device=device)
-
+    batch = max(1, positions // (len(prefix) + 1))
     hooks = [hook(layer) for layer in layers]
     try:
-        for tokens in batches():
-            cache = copy.deepcopy(prefix_cache)  # the forward appends to it
+        for start in tqdm(range(0, vocab_size, batch), desc="context inputs", unit="batch"):
+            offset[0] = start
+            tokens = torch.arange(start, min(start + batch, vocab_size), device=device)
+            cache = copy.deepcopy(prefix_cache)  # the forward appends to it and repeats it in place
             cache.batch_repeat_interleave(len(tokens))
             try:
                 model(tokens[:, None], past_key_values=cache, use_cache=True)

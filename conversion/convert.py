@@ -144,13 +144,13 @@ def init_tables(
     for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
         dense_layer = dense.model.layers[layer]
         table = stem.model.stem_tables[str(layer)].weight
-        features = embed  # what the fallback is a map from
+        fallback_features = embed
         if stats is not None:
             s = stats[layer]
             if context is not None:
-                features = torch.cat([embed.float(), context.pop(layer)], dim=1)
+                fallback_features = torch.cat([embed[:vocab].float().cpu(), context.pop(layer)], dim=1)
             fallback = ridge_map(
-                features, seen, s.sum_x[: len(seen)] / s.count[: len(seen), None].clamp(min=1), s.count, ridge
+                fallback_features, seen, s.sum_x[: len(seen)] / s.count[: len(seen), None].clamp(min=1), s.count, ridge
             )
         for start in range(0, vocab, ROW_BLOCK):
             rows = slice(start, min(start + ROW_BLOCK, vocab))
@@ -158,7 +158,7 @@ def init_tables(
                 block = projected_rows(dense_layer, embed, rows)
             else:
                 block = calibrated_rows(
-                    dense_layer.mlp, stats[layer], slots, fallback, features, rows, init, shrink, bos
+                    dense_layer.mlp, stats[layer], slots, fallback, fallback_features, rows, init, shrink, bos
                 )
             table[rows] = block.to(table.dtype)
     return info
@@ -208,7 +208,10 @@ def convert(
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM.
 
     `calibration` and `heldout` hold texts (strings, tokenized with the source's tokenizer) or token id sequences; keep
-    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `refit` (one of `REFITS`;
+    them disjoint. `calibration_tokens` and `heldout_tokens` cap how much of each is used. `prior_context` (a text, e.g.
+    " the"; `fitted` and `mean` only): rare and unseen tokens' rows lean on a fallback predicted from the token's input
+    embedding and its dense FFN input after BOS and this text (`conversion.calibrate.context_inputs`), not from the
+    embedding alone. `refit` (one of `REFITS`;
     default `"all"` for `fitted`, `"none"` for the others) then refits output projections in closed form:
     `"plain"` each STEM layer's `W_down` to the dense FFN's output on the dense model's activations; `"sequential"` the
     same, layer by layer along both models' residual streams, to bring the converted stream back to the dense one
@@ -258,7 +261,9 @@ def convert(
         if needed and config.stem_layers and not calib_chunks:
             raise ValueError(f"{what} needs calibration text (--calibration)")
     prior_prefix = None
-    if prior_context is not None and init in ("mean", "fitted"):
+    if prior_context is not None and init not in ("mean", "fitted"):
+        raise ValueError(f"prior_context: init {init!r} has no fallback rows to predict (only fitted and mean do)")
+    if prior_context is not None and config.stem_layers:
         if tokenizer is None:
             raise ValueError("prior_context: a text needs the source's tokenizer (pass `tokenizer=`)")
         prior_prefix = ([] if bos is None else [bos]) + tokenizer(prior_context, add_special_tokens=False)["input_ids"]

@@ -9,10 +9,14 @@ map from the token's features (its input embedding, and with a prior context its
 mean FFN input. The BOS token gets the exact position-0 row.
 """
 
+from collections.abc import Callable
+
 import torch
 
 
-def ridge_map(features: torch.Tensor, tokens: torch.Tensor, mean_x: torch.Tensor, counts: torch.Tensor, lam: float):
+def ridge_map(
+    features: torch.Tensor, tokens: torch.Tensor, mean_x: torch.Tensor, counts: torch.Tensor, lam: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """Affine map `[F, 1] @ A` fit by count-weighted ridge regression from the features `F` (`[vocab, n]`) of seen
     `tokens` to their mean FFN inputs. Returns a function of features."""
     features = torch.cat([features[tokens].double(), torch.ones(len(tokens), 1, dtype=torch.float64)], dim=1)

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--prior-context",
-        help='fitted/mean: rare and unseen tokens\' rows lean on their FFN input after BOS and this text, e.g. " the"',
+        help="fitted/mean: rare and unseen tokens' rows lean on a ridge map from their embedding and their FFN input "
+        'after BOS and this text, e.g. " the" (default: from the embedding alone)',
     )
     convert.add_argument(
         "--refit",

@@ -46,8 +46,9 @@ REFIT_TEXTS = {
 
 def _unseen_rows(report: dict) -> str | None:
     text = UNSEEN_ROWS.get(report.get("init"))
-    if text and report.get("prior_context") is not None:
-        text += f" and their FFN inputs after BOS and {report['prior_context']!r}"
+    if report.get("init") in ("fitted", "mean") and report.get("prior_context") is not None:
+        bos = "BOS and " if report.get("bos_prepended") else ""
+        text += f" and their FFN inputs after {bos}{report['prior_context']!r}"
     return text
 
 

@@ -525,7 +525,7 @@ def test_context_inputs_are_the_ffn_inputs_after_the_prefix():
     from conversion.calibrate import context_inputs
 
     dense = _dense("qwen3")
-    got = context_inputs(dense, [1, 2], [1, 7, 9], SHAPE["vocab_size"], batch=24)  # batches that split the vocab
+    got = context_inputs(dense, [1, 2], [1, 7, 9], SHAPE["vocab_size"], positions=96)  # batches of 24: 64 split
     seen, handles = {}, []
     for layer in (1, 2):
         hook = lambda _m, args, layer=layer: seen.__setitem__(layer, args[0][:, -1])  # noqa: E731
@@ -562,6 +562,9 @@ def test_prior_context_moves_only_the_rows_that_lean_on_the_fallback():
         assert torch.allclose(a[seen], b[seen], atol=1e-5)
 
 
-def test_prior_context_needs_a_tokenizer():
+def test_prior_context_needs_a_tokenizer_and_a_calibrated_init():
+    calibration = _texts(2, 100, seed=1)
     with pytest.raises(ValueError, match="prior_context: a text needs the source's tokenizer"):
-        convert(_dense("llama"), stem_layers=[1], calibration=_texts(2, 100, seed=1), prior_context=" the")
+        convert(_dense("llama"), stem_layers=[1], calibration=calibration, prior_context=" the")
+    with pytest.raises(ValueError, match="prior_context: init 'projected' has no fallback rows"):
+        convert(_dense("llama"), stem_layers=[1], init="projected", prior_context=" the", tokenizer=_word_tokenizer())

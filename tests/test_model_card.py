@@ -196,6 +196,7 @@ def test_the_card_says_what_unseen_rows_lean_on(tmp_path, prior_context):
     folder = tmp_path / "ckpt"
     tiny_model().save_pretrained(folder)
     report = {"source": "somewhere", "init": "fitted", "prior_context": prior_context, "calibration_tokens": 10}
+    report["bos_prepended"] = True
     (folder / "conversion_report.json").write_text(json.dumps(report))
     text = str(render_model_card(folder))
     assert "rows of unseen tokens are predicted from their embeddings" in text
