@@ -232,6 +232,8 @@ def convert(
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
     if refit is not None and refit not in REFITS:
         raise ValueError(f"refit: {refit!r} is not one of {', '.join(REFITS)}")
+    if prior_context is not None and init not in ("mean", "fitted"):
+        raise ValueError(f"prior_context: init {init!r} has no fallback rows to predict (only fitted and mean do)")
     for name, cap in (("calibration_tokens", calibration_tokens), ("heldout_tokens", heldout_tokens)):
         if cap is not None and cap < 1:
             raise ValueError(f"{name}: {cap} must be at least 1 (or None: all the text)")
@@ -261,8 +263,6 @@ def convert(
         if needed and config.stem_layers and not calib_chunks:
             raise ValueError(f"{what} needs calibration text (--calibration)")
     prior_prefix = None
-    if prior_context is not None and init not in ("mean", "fitted"):
-        raise ValueError(f"prior_context: init {init!r} has no fallback rows to predict (only fitted and mean do)")
     if prior_context is not None and config.stem_layers:
         if tokenizer is None:
             raise ValueError("prior_context: a text needs the source's tokenizer (pass `tokenizer=`)")
