@@ -67,3 +67,10 @@ def test_the_conversion_demo_runs_on_any_supported_source(tmp_path, capsys):
     saved = json.loads((out / "stem-1-3" / "conversion_report.json").read_text())
     assert saved["source"] == str(tmp_path / "src") and saved["heal_precision"] == "bf16"
     assert "training `all` under bf16 autocast." in (out / "stem-1-3" / "README.md").read_text()
+
+
+def test_the_cli_offers_every_healing_precision_heal_takes():
+    from conversion.heal import PRECISIONS
+    from stem_hf.cli import HEAL_PRECISIONS
+
+    assert HEAL_PRECISIONS == PRECISIONS  # a copy, so that parsing arguments does not import torch
