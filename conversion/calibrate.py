@@ -6,7 +6,7 @@ tokenizer has one) is kept apart: its FFN input is a function of that token alon
 """
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -53,21 +53,20 @@ def run_to_layers(
 
     current = [None]
 
-    def tracked():
-        for chunk in tqdm(chunks, desc=desc, unit="chunk"):
-            current[0] = chunk
-            yield chunk
+    def forward(chunk):
+        current[0] = chunk
+        model(chunk[None], use_cache=False)
 
-    _run_until(model, tracked(), [hook(layer) for layer in layers])
+    _run_until(forward, tqdm(chunks, desc=desc, unit="chunk"), [hook(layer) for layer in layers])
 
 
-def _run_until(model: torch.nn.Module, chunks, hooks: list) -> None:
-    """Runs `model` on each chunk until one of `hooks` (made by `register_*` calls) raises `_Stop`, then removes
-    the hooks."""
+def _run_until(forward: Callable[[object], object], items: Iterable, hooks: list) -> None:
+    """Calls `forward` on each item, each call ending early when one of `hooks` (made by `register_*` calls) raises
+    `_Stop`, then removes the hooks."""
     try:
-        for chunk in chunks:
+        for item in items:
             try:
-                model(chunk[None], use_cache=False)
+                forward(item)
             except _Stop:
                 pass
     finally:
@@ -145,18 +144,14 @@ def context_inputs(
         return model.model.layers[layer].mlp.register_forward_pre_hook(pre_forward)
 
     batch = max(1, positions // (len(prefix) + 1))
-    hooks = [hook(layer) for layer in layers]
-    try:
-        for start in tqdm(range(0, vocab_size, batch), desc="context inputs", unit="batch"):
-            offset[0] = start
-            tokens = torch.arange(start, min(start + batch, vocab_size), device=device)
-            cache = copy.deepcopy(prefix_cache)  # the forward appends to it and repeats it in place
-            cache.batch_repeat_interleave(len(tokens))
-            try:
-                model(tokens[:, None], past_key_values=cache, use_cache=True)
-            except _Stop:
-                pass
-    finally:
-        for handle in hooks:
-            handle.remove()
+
+    def forward(start):
+        offset[0] = start
+        tokens = torch.arange(start, min(start + batch, vocab_size), device=device)
+        cache = copy.deepcopy(prefix_cache)  # the forward appends to it and repeats it in place
+        cache.batch_repeat_interleave(len(tokens))
+        model(tokens[:, None], past_key_values=cache, use_cache=True)
+
+    starts = tqdm(range(0, vocab_size, batch), desc="context inputs", unit="batch")
+    _run_until(forward, starts, [hook(layer) for layer in layers])
     return inputs

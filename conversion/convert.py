@@ -20,6 +20,7 @@ from .refit_down import refit_down
 from .sources import load_source, stem_config_from_dense
 
 INITS = ("fitted", "mean", "projected", "xavier")
+CALIBRATED_INITS = ("fitted", "mean")  # rows from calibration statistics, with a fallback for rare tokens
 REFITS = ("none", "plain", "sequential", "all")
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # Local training along the stream (`conversion.feedback`): SmolLM2-1/3 from 50k calibration tokens, 1.78x dense
@@ -122,7 +123,7 @@ def init_tables(
     if init == "xavier" or not layers:
         return info  # the model's own init
     stats = slots = fallback = None
-    if init in ("mean", "fitted"):
+    if init in CALIBRATED_INITS:
         if not chunks:
             raise ValueError(f"init {init!r} needs calibration text (--calibration)")
         ids = torch.cat([c[1:] for c in chunks])
@@ -232,7 +233,7 @@ def convert(
         raise ValueError(f"init: {init!r} is not one of {', '.join(INITS)}")
     if refit is not None and refit not in REFITS:
         raise ValueError(f"refit: {refit!r} is not one of {', '.join(REFITS)}")
-    if prior_context is not None and init not in ("mean", "fitted"):
+    if prior_context is not None and init not in CALIBRATED_INITS:
         raise ValueError(f"prior_context: init {init!r} has no fallback rows to predict (only fitted and mean do)")
     for name, cap in (("calibration_tokens", calibration_tokens), ("heldout_tokens", heldout_tokens)):
         if cap is not None and cap < 1:
@@ -259,7 +260,7 @@ def convert(
     heldout_chunks = chunk_texts(heldout, tokenizer, bos, chunk_len, heldout_tokens)
     refit = ("all" if init == "fitted" else "none") if refit is None else refit
     gate_epochs, dense_epochs = _local_epochs(refit, gate_epochs, dense_epochs)
-    for what, needed in ((f"init {init!r}", init in ("mean", "fitted")), (f"refit {refit!r}", refit != "none")):
+    for what, needed in ((f"init {init!r}", init in CALIBRATED_INITS), (f"refit {refit!r}", refit != "none")):
         if needed and config.stem_layers and not calib_chunks:
             raise ValueError(f"{what} needs calibration text (--calibration)")
     prior_prefix = None
