@@ -30,8 +30,11 @@ from conversion.heal import ANNEAL, heal
 # layer along the residual stream, and trains the gates locally on the way (the defaults); "fitted-no-local" skips the
 # local training, "fitted-sequential" refits only the STEM layers' W_down (and trains their gates), "fitted-plain"
 # refits them on the dense model's activations, "fitted-rows" not at all: the ablations of those steps.
+# "fitted-context" adds `--prior-context " the"`: rare and unseen tokens' rows lean on a fallback from the embedding and
+# the dense FFN input after `[BOS, " the", t]`.
 VARIANTS = {
     "fitted": {"init": "fitted"},
+    "fitted-context": {"init": "fitted", "prior_context": " the"},
     "fitted-no-local": {"init": "fitted", "gate_epochs": 0, "dense_epochs": 0},
     "fitted-sequential": {"init": "fitted", "refit": "sequential"},
     "fitted-plain": {"init": "fitted", "refit": "plain"},
@@ -181,6 +184,7 @@ def main() -> None:
                     "refit": report["refit"],
                     "gate_epochs": report["gate_epochs"],
                     "dense_epochs": report["dense_epochs"],
+                    "prior_context": report.get("prior_context"),
                     "perplexity": round(stem_ppl, 2),
                     "perplexity_over_dense": round(stem_ppl / dense_ppl, 3),
                     "calibration_tokens": report["calibration_tokens"],
