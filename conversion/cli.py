@@ -5,10 +5,10 @@ import json
 
 import torch
 
-from stem_hf.cli import read_texts
+from stem_hf.cli import PRIOR_CONTEXT, read_texts
 
 from .assets import CORPUS_NAMES, corpora
-from .convert import convert
+from .convert import CALIBRATED_INITS, convert
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -25,6 +25,9 @@ def run_convert(args: argparse.Namespace) -> dict:
         "lr": args.heal_lr,
         "precision": args.heal_precision,
     }
+    prior_context = args.prior_context
+    if prior_context is None and not args.no_prior_context and args.init in CALIBRATED_INITS:
+        prior_context = PRIOR_CONTEXT
     _, report = convert(
         args.source,
         args.out,
@@ -35,7 +38,7 @@ def run_convert(args: argparse.Namespace) -> dict:
         heldout=heldout,
         heldout_tokens=args.heldout_tokens,
         table_dtype=DTYPE_ALIASES.get(args.table_dtype, args.table_dtype),
-        prior_context=args.prior_context,
+        prior_context=prior_context,
         refit=args.refit,
         gate_epochs=args.gate_epochs,
         dense_epochs=args.dense_epochs,

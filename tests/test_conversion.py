@@ -195,18 +195,19 @@ def _word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+def _cli_source(tmp_path) -> None:
+    """A tiny Llama folder with a word tokenizer in `tmp_path/src`; 400 words each of calibration and held-out text."""
+    _dense("llama").save_pretrained(tmp_path / "src")
+    _word_tokenizer().save_pretrained(tmp_path / "src")
+    for name, seed in (("calib.txt", 1), ("held.txt", 2)):
+        ids = torch.randint(0, 60, (400,), generator=torch.Generator().manual_seed(seed))
+        (tmp_path / name).write_text(" ".join(f"w{i}" for i in ids.tolist()))
+
+
 def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_path, capsys):
     from stem_hf.cli import main
 
-    _dense("llama").save_pretrained(tmp_path / "src")
-    _word_tokenizer().save_pretrained(tmp_path / "src")
-
-    def words(seed: int) -> str:
-        ids = torch.randint(0, 60, (400,), generator=torch.Generator().manual_seed(seed))
-        return " ".join(f"w{i}" for i in ids.tolist())
-
-    (tmp_path / "calib.txt").write_text(words(1))
-    (tmp_path / "held.txt").write_text(words(2))
+    _cli_source(tmp_path)
     main(
         [
             "convert",
@@ -245,6 +246,22 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
     assert json.loads((tmp_path / "out" / "conversion_report.json").read_text())["init"] == "mean"
     reloaded = StemForCausalLM.from_pretrained(tmp_path / "out")
     assert reloaded.model.stem_tables["3"].weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [([], " the"), (["--no-prior-context"], None), (["--init", "projected"], None), (["--init", "xavier"], None)],
+)
+def test_cli_defaults_to_the_prior_context_for_calibrated_inits(tmp_path, capsys, options, expected):
+    from stem_hf.cli import PRIOR_CONTEXT, main
+
+    assert PRIOR_CONTEXT == " the"
+    _cli_source(tmp_path)
+    files = ["--calibration", str(tmp_path / "calib.txt"), "--heldout", str(tmp_path / "held.txt")]
+    main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--stem-layers", "1", *files, *options])
+    assert json.loads(capsys.readouterr().out)["prior_context"] == expected
+    with pytest.raises(SystemExit):  # argparse: not allowed together
+        main(["convert", "a", "b", "--prior-context", " the", "--no-prior-context"])
 
 
 def test_cli_refuses_an_unsupported_source(tmp_path):
