@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     context.add_argument(
         "--prior-context",
         help="fitted/mean: rare and unseen tokens' rows lean on a ridge map from their embedding and their FFN input "
-        f"after BOS and this text (default: {PRIOR_CONTEXT!r})",
+        f"after BOS (if any) and this text (default for fitted/mean: {PRIOR_CONTEXT!r}; see --no-prior-context)",
     )
     context.add_argument(
         "--no-prior-context", action="store_true", help="fitted/mean: that ridge map from the embedding alone"

@@ -250,7 +250,14 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
 
 @pytest.mark.parametrize(
     "options, expected",
-    [([], " the"), (["--no-prior-context"], None), (["--init", "projected"], None), (["--init", "xavier"], None)],
+    [
+        ([], " the"),
+        (["--init", "mean"], " the"),
+        (["--no-prior-context"], None),
+        (["--init", "projected"], None),
+        (["--init", "xavier"], None),
+        (["--stem-layers", ""], None),
+    ],
 )
 def test_cli_defaults_to_the_prior_context_for_calibrated_inits(tmp_path, capsys, options, expected):
     from stem_hf.cli import PRIOR_CONTEXT, main
@@ -260,8 +267,14 @@ def test_cli_defaults_to_the_prior_context_for_calibrated_inits(tmp_path, capsys
     files = ["--calibration", str(tmp_path / "calib.txt"), "--heldout", str(tmp_path / "held.txt")]
     main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--stem-layers", "1", *files, *options])
     assert json.loads(capsys.readouterr().out)["prior_context"] == expected
-    with pytest.raises(SystemExit):  # argparse: not allowed together
+
+
+def test_cli_refuses_a_prior_context_and_its_opt_out_together(capsys):
+    from stem_hf.cli import main
+
+    with pytest.raises(SystemExit) as exit:
         main(["convert", "a", "b", "--prior-context", " the", "--no-prior-context"])
+    assert exit.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
 def test_cli_refuses_an_unsupported_source(tmp_path):
