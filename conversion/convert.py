@@ -141,6 +141,7 @@ def init_tables(
     context = None
     if stats is not None and prior_prefix is not None:
         context = context_inputs(dense, layers, prior_prefix, vocab)
+        embed_features = embed[:vocab].float().cpu()  # beside each layer's context inputs, which live on the CPU
     bos = stem.config.bos_token_id if chunks and all(c[0] == stem.config.bos_token_id for c in chunks) else None
     for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
         dense_layer = dense.model.layers[layer]
@@ -149,7 +150,7 @@ def init_tables(
         if stats is not None:
             s = stats[layer]
             if context is not None:
-                fallback_features = torch.cat([embed[:vocab].float().cpu(), context.pop(layer)], dim=1)
+                fallback_features = torch.cat([embed_features, context.pop(layer)], dim=1)
             fallback = ridge_map(
                 fallback_features, seen, s.sum_x[: len(seen)] / s.count[: len(seen), None].clamp(min=1), s.count, ridge
             )
