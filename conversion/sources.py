@@ -75,7 +75,8 @@ def stem_config_from_dense(
         tie_word_embeddings=config.tie_word_embeddings,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        # Some configs mark "no pad token" with -1: STEM's config takes None for that.
+        pad_token_id=config.pad_token_id if 0 <= (config.pad_token_id or 0) < config.vocab_size else None,
         stem_layers=stem_layers,
         table_dtype=table_dtype,
     )

@@ -33,6 +33,11 @@ def resolve_stem_layers(spec: str | Sequence[int] | None, num_hidden_layers: int
     """
     if spec is None:
         return []
+    if not isinstance(spec, (str, Sequence)):
+        raise ValueError(
+            f"stem_layers: {spec!r} is neither a list nor a string; allowed values are {_ALLOWED_STEM_LAYERS} "
+            f"(for the single layer {spec!r}, write [{spec!r}])"
+        )
     if isinstance(spec, str):
         text = spec.strip().lower()
         if text in ("", "none"):
@@ -67,6 +72,9 @@ def resolve_stem_layers(spec: str | Sequence[int] | None, num_hidden_layers: int
     return sorted(layers)
 
 
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 class StemConfig(PreTrainedConfig):
     r"""Configuration of a STEM model: a Llama-family decoder whose FFN up-projection is replaced, in the layers
     listed in `stem_layers`, by a per-layer `[vocab_size, intermediate_size]` table indexed by the input token id.
@@ -95,6 +103,26 @@ class StemConfig(PreTrainedConfig):
 
     model_type = "stem"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Llama's plan, plus the tables: a table shards along intermediate_size like the up-projection it replaces, and
+    # each rank looks up its own slice of the rows (local), which meets gate_proj's local slice before down_proj.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "stem_tables.*.weight": "embedding_colwise",
+        "stem_tables.*": "local_params",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -123,6 +151,15 @@ class StemConfig(PreTrainedConfig):
     keep_tables_on_cpu: bool = True
 
     def __post_init__(self, **kwargs):
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: {value!r} must be a positive integer")
+        pad = self.pad_token_id  # the embedding's padding_idx: torch refuses one outside the vocabulary
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < self.vocab_size):
+            raise ValueError(
+                f"pad_token_id: {pad!r} is not a token id in the vocabulary [0, {self.vocab_size}) or None"
+            )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -136,6 +173,9 @@ class StemConfig(PreTrainedConfig):
             self.attention_out_bias = self.attention_bias
         check_table_dtype(self.table_dtype)
         self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)
+        if not self.qk_norm:  # no rule for modules the model does not have (transformers warns about those)
+            plan = type(self).base_model_tp_plan
+            self.base_model_tp_plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
         super().__post_init__(**kwargs)
 
 

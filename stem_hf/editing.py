@@ -42,7 +42,15 @@ class StemEdit:
             if not text.strip():
                 raise ValueError(f"edit: the {name} string {text!r} is empty")
         encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        return cls(encode(source), encode(target), strategy)
+        edit = cls(encode(source), encode(target), strategy)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        for name, text, ids in (("source", source, edit.source), ("target", target, edit.target)):
+            if unk is not None and unk in ids:
+                raise ValueError(
+                    f"edit: the {name} {text!r} holds a word the tokenizer maps to its unknown token "
+                    f"{tokenizer.unk_token!r} (id {unk}): that row stands for every unknown word, not this one"
+                )
+        return edit
 
     def mapped_target(self) -> tuple[int, ...]:
         """The target token each source position looks up (`pad` and `subset`)."""
@@ -175,6 +183,15 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
     of the target's rows (`mean`), in every STEM layer, for every context the token appears in. Save with
     `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file."""
     check_edits(model, [edit])
+    if edit.strategy != "mean":  # mean gives every source token the same row: repeats agree
+        wanted: dict[int, int] = {}
+        for source, target in zip(edit.source, edit.mapped_target(), strict=True):
+            if wanted.setdefault(source, target) != target:
+                raise ValueError(
+                    f"persist_edit: source token {source} occurs twice in {list(edit.source)} and would take the rows "
+                    f"of both {wanted[source]} and {target}; one table row cannot hold both (apply the edit per call "
+                    "with StemEditor, or use strategy='mean')"
+                )
     for table in model.base_model.stem_tables.values():
         weight = table.weight
         if edit.strategy == "mean":

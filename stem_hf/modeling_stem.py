@@ -9,6 +9,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 """
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -34,11 +36,15 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
 from .storage_stem import (
+    SAVE_ID_KEY,
     TABLE_KEY,
     advise_random_access,
     check_checkpoint_files,
+    check_variant,
     finish_checkpoint,
+    read_save_id,
     staged_folder,
+    stale_provenance,
 )
 
 logger = logging.get_logger(__name__)
@@ -47,6 +53,26 @@ logger = logging.get_logger(__name__)
 _PROVENANCE_FILES = ("conversion_report.json", "lm_eval_results.json")
 # What `from_pretrained` passes on to read a config from the Hub.
 _CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+# Config fields that give the saved tensors their shapes: a load cannot change them.
+_FIXED_AT_SAVE = ("stem_layers", "vocab_size", "intermediate_size", "hidden_size", "num_hidden_layers")
+
+
+def _refuse_shape_overrides(config: StemConfig, kwargs: dict) -> None:
+    """Raises if `from_pretrained(..., stem_layers=...)` (or another shape field) asks for other tensors than the
+    checkpoint holds: the override would otherwise reach the weights as a missing or unexpected table."""
+    for name in _FIXED_AT_SAVE:
+        if name not in kwargs:
+            continue
+        wanted = kwargs[name]
+        if name == "stem_layers":
+            wanted = resolve_stem_layers(wanted, config.num_hidden_layers)
+        if wanted != getattr(config, name):
+            hint = " (convert the dense model again with the layers you want)" if name == "stem_layers" else ""
+            raise ValueError(
+                f"{name}={kwargs[name]!r}: the checkpoint was saved with {name}={getattr(config, name)!r}, and a load "
+                f"cannot change which tensors it holds{hint}"
+            )
+        del kwargs[name]
 
 
 class StemRMSNorm(nn.Module):
@@ -277,12 +303,50 @@ class StemTableRows:
         return table(unique).to(ids.device, non_blocking=True)[inverse]
 
 
+class StemSoftPromptRows:
+    """Rows for inputs whose first `num_soft` positions are soft prompts (embeddings with no token, as PEFT prompt
+    tuning prepends): those positions get a zero row, so a STEM layer's FFN adds nothing there."""
+
+    def __init__(self, rows, num_soft: int):
+        self.rows = rows
+        self.num_soft = num_soft
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        return nn.functional.pad(self.rows[layer_idx], (0, 0, self.num_soft, 0))
+
+
+_DECAY_HOOK = None  # the handle of `_warn_if_tables_decay`, registered at most once per process
+
+
+def _warn_if_tables_decay(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (process-wide, added once a table trains): warns once per optimizer that decays a table.
+    A plain `Trainer` decays every matrix but norms and biases, and decoupled decay shrinks every row at each step,
+    whether its token was in the batch or not; no model-side setting can change Trainer's groups."""
+    if getattr(optimizer, "_stem_decay_checked", False):
+        return
+    optimizer._stem_decay_checked = True
+    for group in optimizer.param_groups:
+        if group.get("weight_decay") and any(getattr(p, "_stem_table", False) for p in group["params"]):
+            logger.warning(
+                f"{type(optimizer).__name__} applies weight_decay={group['weight_decay']} to STEM tables: every row "
+                "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
+                "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
+            )
+            return
+
+
 class StemTables(nn.ModuleDict):
     """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`.
 
     Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
     accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
+
+    Trainable tables train in float32: `train()` casts them in memory (`upcast_trainable`; set `upcast_for_training`
+    to False to keep them as stored). A bf16 value moves only by steps of 1/256 of its size, so fine-tuning updates
+    would round away. Saves still write `config.table_dtype`.
     """
+
+    upcast_for_training: bool = True
 
     def __init__(self, config: StemConfig):
         dtype = getattr(torch, config.table_dtype)
@@ -292,7 +356,56 @@ class StemTables(nn.ModuleDict):
         self.config = config
 
     def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
+        if self.training and torch.is_grad_enabled():
+            low = {
+                str(t.weight.dtype)[6:]
+                for t in self.values()
+                if t.weight.requires_grad and t.weight.dtype != torch.float32
+            }
+            if low:
+                logger.warning_once(
+                    f"training STEM tables in {', '.join(sorted(low))}: updates smaller than 1/256 of a value are lost "
+                    "to rounding. Call model.base_model.stem_tables.upcast_trainable() (train() does, before any "
+                    "DDP/FSDP wrapping) to train them in float32"
+                )
         return StemTableRows(self, stem_input_ids)
+
+    def train(self, mode: bool = True) -> "StemTables":
+        super().train(mode)
+        if mode:
+            trainable = [t.weight for t in self.values() if t.weight.requires_grad]
+            for weight in trainable:
+                weight._stem_table = True  # lets `_warn_if_tables_decay` tell tables from other matrices
+            global _DECAY_HOOK
+            if trainable and _DECAY_HOOK is None:
+                _DECAY_HOOK = register_optimizer_step_pre_hook(_warn_if_tables_decay)
+            if self.upcast_for_training:
+                self.upcast_trainable()
+        return self
+
+    def upcast_trainable(self) -> list[str]:
+        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is) and
+        returns their layer keys. Under DDP or FSDP, call it before wrapping the model: a wrapped model's parameters
+        cannot change dtype, so once torch.distributed is initialized `train()` leaves them and warns instead."""
+        keys = [
+            k
+            for k, t in self.items()
+            if t.weight.requires_grad and t.weight.dtype != torch.float32 and t.weight.device.type != "meta"
+        ]
+        if not keys:
+            return []
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed or any(type(self[k].weight).__name__ == "DTensor" for k in keys):
+            return []  # the forward's warning says what to do
+        for key in keys:
+            self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
+        logger.warning_once(
+            f"STEM tables {keys} train in float32: cast from {self.config.table_dtype} in memory "
+            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); saves still write "
+            f"{self.config.table_dtype}. Freeze them (requires_grad_(False)) or set "
+            "model.base_model.stem_tables.upcast_for_training = False to keep them as stored"
+        )
+        return keys
 
     def _apply(self, fn, recurse=True):
         weight = next(self.parameters(), None)
@@ -379,10 +492,11 @@ class StemDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+@torch.compiler.disable  # a graph break: under torch.compile the check still runs, before inductor's gather
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
     """Raises if `ids` holds an id outside `[0, vocab_size)`. On a GPU an out-of-range gather is a device-side assert
     that kills the process, so the check runs before any lookup (one host sync per forward)."""
-    if ids.numel() == 0 or torch.compiler.is_compiling():
+    if ids.numel() == 0:
         return
     low, high = torch.stack(torch.aminmax(ids)).tolist()
     if low < 0 or high >= vocab_size:
@@ -425,17 +539,22 @@ class StemPreTrainedModel(PreTrainedModel):
         only the rows a forward touches are read, and writing to a table never alters its file.
         """
         path = pretrained_model_name_or_path
+        save_id = None  # the checkpoint's, from check_checkpoint_files when it is a local folder
         folder = None if path is None else os.path.join(os.fspath(path), kwargs.get("subfolder", ""))
         device_map = kwargs.get("device_map")
-        if path is not None and (os.path.isdir(folder) or device_map is not None):
+        shape_override = any(name in kwargs for name in _FIXED_AT_SAVE)
+        if path is not None and (os.path.isdir(folder) or device_map is not None or shape_override):
             config = kwargs.get("config")
             if getattr(config, "model_type", None) != StemConfig.model_type:
                 # The config from_pretrained will build: the saved one with the caller's overrides applied.
-                fields = {f.name for f in dataclasses.fields(StemConfig)}
+                fields = {f.name for f in dataclasses.fields(StemConfig)} - set(_FIXED_AT_SAVE)
                 overrides = {k: v for k, v in kwargs.items() if k in fields or k in _CONFIG_KWARGS}
                 config = StemConfig.from_pretrained(path, **overrides)
+            _refuse_shape_overrides(config, kwargs)
             if os.path.isdir(folder):
-                check_checkpoint_files(folder, config.vocab_size, config.intermediate_size, config.stem_layers)
+                save_id = check_checkpoint_files(
+                    folder, config.vocab_size, config.intermediate_size, config.stem_layers, kwargs.get("variant")
+                )
             if device_map is not None and config.keep_tables_on_cpu and config.stem_layers:
                 dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
                 kwargs["device_map"] = cls._device_map_keeping_tables_on_cpu(
@@ -443,6 +562,9 @@ class StemPreTrainedModel(PreTrainedModel):
                 )
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
+        # Which save of the folder's weights this model holds: provenance files beside them (conversion report,
+        # evaluation results) are matched against it, not against whatever a later save left in the folder.
+        model.stem_save_id = save_id
         for table in model.base_model.stem_tables.values():
             advise_random_access(table.weight)
         return loaded
@@ -492,14 +614,21 @@ class StemPreTrainedModel(PreTrainedModel):
         files (in `config.table_dtype`, at most `max_shard_size` each) listed with the dense shards in one
         `model.safetensors.index.json`. The save is staged in a hidden folder (beside a new `save_directory`, inside an
         existing one) and committed by renames, so an interrupted save never leaves half-written files in place of a
-        good checkpoint."""
+        good checkpoint; every weight file and the index, written last, carry one fresh save id, so that a save killed
+        between its renames is refused at load rather than loaded as a mix of two saves. With `variant` ("fp16"), the
+        files are named as transformers names a variant's (`model.fp16-00001-of-00001.safetensors`,
+        `stem-tables.fp16-...`, `model.safetensors.index.fp16.json`) and sit beside the other variants'.
+
+        Provenance files already in `save_directory` (`conversion_report.json`, `lm_eval_results.json`) that record an
+        earlier save's id no longer describe these weights: they are kept, named in a warning, and left out of the
+        model card."""
         if getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process):
             # Adapters hold no tables; other ranks take part in transformers' collective steps but write nothing.
             return super().save_pretrained(
                 save_directory, is_main_process, state_dict, push_to_hub, max_shard_size, **kwargs
             )
-        if kwargs.get("variant"):
-            raise ValueError("variant: STEM checkpoints are saved without weight-file variants")
+        variant = kwargs.pop("variant", None) or None
+        check_variant(variant)
         hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
         if state_dict is None:
             state_dict = self.state_dict()
@@ -515,10 +644,16 @@ class StemPreTrainedModel(PreTrainedModel):
         if self._auto_class is not None:
             auto_map = getattr(self.config, "auto_map", None) or {}
             self.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
-        with staged_folder(save_directory) as staging:
-            super().save_pretrained(staging, state_dict=dense, max_shard_size=max_shard_size, **kwargs)
+        with staged_folder(save_directory, variant) as staging:
+            super().save_pretrained(staging, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
             dtype = getattr(torch, self.config.table_dtype)
-            finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters())
+            finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters(), variant)
+        stale = stale_provenance(save_directory, _PROVENANCE_FILES)
+        if stale:
+            logger.warning(
+                f"{save_directory}: {', '.join(stale)} describe the weights of an earlier save, not these; they are "
+                "kept but left out of the model card. Re-run the conversion or evaluation, or remove them."
+            )
         self._write_model_card(save_directory)
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
@@ -572,10 +707,24 @@ class StemPreTrainedModel(PreTrainedModel):
                 name: api.file_exists(repo_id, name, revision=revision, token=token)
                 for name in ("README.md", *_PROVENANCE_FILES)
             }
+            pushed_id = read_save_id(tmp)
             for name in _PROVENANCE_FILES:
                 local = os.path.join(self.name_or_path or "", name)
                 if self.name_or_path and os.path.isfile(local):
-                    shutil.copy(local, os.path.join(tmp, name))
+                    try:
+                        with open(local, encoding="utf-8") as f:
+                            record = json.load(f)
+                    except ValueError:  # copied as it is: the card says what is wrong with it
+                        record = None
+                    if not isinstance(record, dict) or record.get(SAVE_ID_KEY) is None:
+                        shutil.copy(local, os.path.join(tmp, name))  # tied to no save
+                    elif record[SAVE_ID_KEY] != getattr(self, "stem_save_id", None):
+                        logger.warning(
+                            f"{local} describes other weights than the ones this model was loaded from: not pushed"
+                        )
+                    else:  # it describes the loaded weights, which are what this push uploads under a new save id
+                        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                            json.dump({**record, SAVE_ID_KEY: pushed_id}, f, indent=2)
                 elif on_hub[name]:
                     fetch(name)
             all_tags = [*(self.model_tags or []), *(tags or [])]
@@ -685,6 +834,10 @@ class StemModel(StemPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        given = "input_ids" if input_ids is not None else "inputs_embeds"
+        if (input_ids if input_ids is not None else inputs_embeds).shape[1:2] == (0,):
+            shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
+            raise ValueError(f"{given} has shape {shape}: no position to run; give at least one token")
         vocab_size = self.config.vocab_size
         if input_ids is not None:
             check_token_ids(input_ids, vocab_size, "input_ids")
@@ -700,14 +853,22 @@ class StemModel(StemPreTrainedModel):
             if stem_input_ids is None:
                 raise ValueError(
                     f"this model has STEM layers {self.config.stem_layers}, whose tables are indexed by token ids: "
-                    "pass `stem_input_ids` (batch_size, sequence_length) along with `inputs_embeds`"
+                    "pass `stem_input_ids` (batch_size, sequence_length) along with `inputs_embeds` (with PEFT prompt "
+                    "tuning, pass the text's input ids as `stem_input_ids`)"
                 )
-            if stem_input_ids.shape != inputs_embeds.shape[:2]:
+            batch, length = inputs_embeds.shape[:2]
+            # Embeddings may start with soft prompts (PEFT prompt tuning): then the ids cover the positions after them.
+            num_soft = length - stem_input_ids.shape[-1]
+            soft_allowed = input_ids is None and 0 <= num_soft < length
+            if stem_input_ids.ndim != 2 or stem_input_ids.shape[0] != batch or not (num_soft == 0 or soft_allowed):
                 raise ValueError(
                     f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the inputs have (batch_size, "
-                    f"sequence_length) = {tuple(inputs_embeds.shape[:2])}: give one table id per input position"
+                    f"sequence_length) = {(batch, length)}: give one table id per input position (with "
+                    "`inputs_embeds`, fewer ids mean that the first positions are soft prompts without a token)"
                 )
             stem_rows = self.stem_tables(stem_input_ids)
+            if num_soft:
+                stem_rows = StemSoftPromptRows(stem_rows, num_soft)
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -744,6 +905,8 @@ class StemModel(StemPreTrainedModel):
 
 class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: StemConfig):
         super().__init__(config)
@@ -753,17 +916,65 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         self._no_placement_params = [f"model.{name}" for name in self.model._no_placement_params]
         self.post_init()
 
-    def prepare_inputs_for_generation(self, input_ids, *args, stem_input_ids=None, **kwargs):
-        """Lets `generate` take `stem_input_ids` for the prompt: the tokens it generates look up their own rows."""
-        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
-        if stem_input_ids is not None:
-            prompt_as_embeds = kwargs.get("inputs_embeds") is not None  # then input_ids holds only generated tokens
-            generated = input_ids if prompt_as_embeds else input_ids[:, stem_input_ids.shape[1] :]
-            full = torch.cat([stem_input_ids.to(input_ids.device), generated], dim=1)
-            step = model_inputs.get("input_ids")
-            if step is None:
-                step = model_inputs["inputs_embeds"]
-            model_inputs["stem_input_ids"] = full[:, full.shape[1] - step.shape[1] :]
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """`GenerationMixin.generate`, after checking that `stem_input_ids` gives one id per prompt position (the
+        prompt being `inputs_embeds` when given, else `inputs`/`input_ids`): a shorter or longer one would shift every
+        later lookup. With `inputs_embeds` on a model with STEM layers, `stem_input_ids` is required."""
+        stem_input_ids = kwargs.get("stem_input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        prompt = embeds if embeds is not None else (inputs if inputs is not None else kwargs.get("input_ids"))
+        if stem_input_ids is None and embeds is not None and self.config.stem_layers:
+            raise ValueError(
+                f"generate(inputs_embeds=...): this model's STEM layers {self.config.stem_layers} look up table rows "
+                "by token id; pass `stem_input_ids` (batch_size, prompt_length) with the prompt's token ids"
+            )
+        # An assistant model's generate runs again on the prompt plus the tokens accepted so far.
+        assisting = getattr(kwargs.get("generation_config"), "is_assistant", False)
+        if stem_input_ids is not None and prompt is not None and stem_input_ids.shape != prompt.shape[:2]:
+            if assisting and stem_input_ids.shape[0] == prompt.shape[0] and stem_input_ids.shape[1] < prompt.shape[1]:
+                return super().generate(inputs, *args, **kwargs)
+            raise ValueError(
+                f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the prompt has (batch_size, length) = "
+                f"{tuple(prompt.shape[:2])}: give one table id per prompt position"
+            )
+        return super().generate(inputs, *args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        stem_input_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> dict:
+        """Lets `generate` take `stem_input_ids` for the prompt (and `inputs_embeds` with them): the tokens it generates
+        look up their own rows. The step's ids always travel as `stem_input_ids`, so that a wrapper that swaps
+        `input_ids` for embeddings (PEFT prompt tuning) still sends the tables their ids."""
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        step = model_inputs.get("input_ids")
+        if stem_input_ids is None:
+            if step is not None and self.config.stem_layers:
+                model_inputs["stem_input_ids"] = step  # the same tensor: forward checks it once
+            return model_inputs
+        stem_input_ids = stem_input_ids.to(input_ids.device)
+        if step is None:
+            step = model_inputs["inputs_embeds"]
+        if inputs_embeds is None and input_ids.shape[1] < stem_input_ids.shape[1]:
+            # Chunked prefill (`prefill_chunk_size`): input_ids is one chunk of the prompt, after what the cache holds.
+            start = past_key_values.get_seq_length() if past_key_values is not None else 0
+            model_inputs["stem_input_ids"] = stem_input_ids[:, start : start + step.shape[1]]
+            return model_inputs
+        # With a prompt given as embeddings, input_ids holds only the generated tokens.
+        generated = input_ids if inputs_embeds is not None else input_ids[:, stem_input_ids.shape[1] :]
+        full = torch.cat([stem_input_ids, generated], dim=1)
+        model_inputs["stem_input_ids"] = full[:, full.shape[1] - step.shape[1] :]
         return model_inputs
 
     @can_return_tuple
