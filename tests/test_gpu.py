@@ -1,0 +1,420 @@
+"""The CUDA paths against a CPU reference: tables in host memory with the dense part on the GPU (logits, generations,
+gradients, device memory), device-map loads that leave the tables memory-mapped on the host, the offload engine's
+side-stream copies, events, pinned staging buffers, device row cache and background gather, and bf16 healing on the
+GPU. Every test skips without a CUDA device (CI has none): `bash benchmarks/gpu_check.sh` runs them on one."""
+
+import copy
+import gc
+import math
+import os
+
+import pytest
+import torch
+
+from stem_hf import StemForCausalLM
+from stem_hf.offload import StemOffloadEngine, offloaded
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none visible")
+
+CUDA = torch.device("cuda", 0)
+FP32_TOL = 1e-3  # of the logits' scale: CPU and GPU kernels sum in other orders
+BF16_TOL = 5e-2  # a bf16 dense part against the fp32 CPU reference
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    model = tiny_model(**overrides)
+    with torch.no_grad():  # the paper's init is tiny: larger rows make the tables matter to the outputs
+        for table in model.model.stem_tables.values():
+            table.weight.normal_(0, 1.0)
+    return model
+
+
+def _ids(shape, vocab=96, seed=0):
+    return torch.randint(3, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    got, expected = got.detach().float().cpu(), expected.detach().float().cpu()
+    assert got.shape == expected.shape
+    assert torch.isfinite(got).all(), "non-finite values from the GPU"
+    error, scale = (got - expected).abs().max().item(), expected.abs().max().item()
+    assert error <= tol * scale + 1e-6, f"max |difference| {error:.3g} against a scale of {scale:.3g} (tol {tol})"
+
+
+def _assert_same_greedy(got: torch.Tensor, reference) -> None:
+    """Greedy tokens on the GPU equal the CPU reference's, except where the reference's two best logits were a near tie
+    at the first step a row parts from it (fp32 summation order may then pick the other)."""
+    got, expected = got.cpu(), reference.sequences
+    assert got.shape == expected.shape
+    prompt = expected.shape[1] - len(reference.scores)
+    for row in range(expected.shape[0]):
+        differ = (got[row] != expected[row]).nonzero()
+        if len(differ) == 0:
+            continue
+        step = differ[0].item() - prompt
+        assert step >= 0, "the prompt changed"
+        top = reference.scores[step][row].float().topk(2).values
+        assert top[0] - top[1] < 1e-3 * top.abs().max().clamp(min=1), f"row {row} parts at step {step} with no tie"
+
+
+def _mapped_files(tensor: torch.Tensor) -> list[str]:
+    """The files whose mapping in this process holds the tensor's first byte."""
+    address, files = tensor.data_ptr(), []
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end and len(fields) >= 6:
+                files.append(fields[5])
+    return files
+
+
+def _allocated() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(CUDA)
+
+
+def _table_bytes(model) -> int:
+    return sum(t.weight.numel() * t.weight.element_size() for t in model.model.stem_tables.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tables in host memory, the dense part on the GPU
+
+
+def test_to_cuda_keeps_tables_on_the_host_and_matches_cpu():
+    model = _model(table_dtype="float32", vocab_size=4096, intermediate_size=256)
+    ids = _ids((3, 10), vocab=4096)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in a batch
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+    reference = model.generate(ids, output_scores=True, return_dict_in_generate=True, **kwargs)
+    dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "stem_tables" not in n)
+    before = _allocated()
+    model.to(CUDA)
+    moved = _allocated() - before
+    assert all(t.weight.device.type == "cpu" for t in model.model.stem_tables.values())
+    assert model.model.embed_tokens.weight.device == CUDA and model.lm_head.weight.device == CUDA
+    assert model.model.layers[1].mlp.gate_proj.weight.device == CUDA  # a STEM layer's dense weights
+    assert moved < dense_bytes + 2**20 and moved < _table_bytes(model) / 2, (moved, dense_bytes)
+    on_cuda = {k: v.to(CUDA) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        logits = model(ids.to(CUDA), attention_mask=mask.to(CUDA)).logits
+    assert logits.device == CUDA
+    _assert_close(logits, expected, FP32_TOL)
+    _assert_same_greedy(model.generate(ids.to(CUDA), **{**kwargs, **on_cuda}), reference)
+
+
+def test_resident_and_host_tables_give_the_same_logits_on_cuda():
+    host = _model().to(CUDA)
+    resident = _model(keep_tables_on_cpu=False).to(CUDA)
+    assert all(t.weight.device == CUDA for t in resident.model.stem_tables.values())
+    assert all(t.weight.device.type == "cpu" for t in host.model.stem_tables.values())
+    ids = _ids((2, 16)).to(CUDA)
+    with torch.no_grad():
+        _assert_close(host(ids).logits, resident(ids).logits, 1e-6)
+
+
+def test_gradients_reach_host_tables_from_a_cuda_forward():
+    model = _model(table_dtype="float32")
+    ids = _ids((2, 12))
+    cpu = copy.deepcopy(model)
+    cpu_loss = cpu(ids, labels=ids).loss
+    cpu_loss.backward()
+    model.to(CUDA)
+    loss = model(ids.to(CUDA), labels=ids.to(CUDA)).loss
+    loss.backward()
+    assert loss.item() == pytest.approx(cpu_loss.item(), rel=1e-4)
+    seen = set(ids[:, :-1].flatten().tolist())  # a row gets a gradient where its token predicts the next one
+    for key, table in model.model.stem_tables.items():
+        grad = table.weight.grad
+        assert grad is not None and grad.device.type == "cpu"
+        _assert_close(grad, cpu.model.stem_tables[key].weight.grad, FP32_TOL)
+        assert set((grad != 0).any(dim=1).nonzero().flatten().tolist()) == seen  # only the batch's rows
+    gate = model.model.layers[1].mlp.gate_proj.weight.grad
+    assert gate.device == CUDA
+    _assert_close(gate, cpu.model.layers[1].mlp.gate_proj.weight.grad, FP32_TOL)
+
+
+def test_a_bf16_dense_part_on_cuda_with_bf16_host_tables():
+    model = _model()  # tables bf16 (the default table_dtype), dense fp32
+    ids = _ids((2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.to(CUDA, torch.bfloat16)
+        table = model.model.stem_tables["1"].weight
+        assert table.device.type == "cpu" and table.dtype == torch.bfloat16
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+        logits = model(ids.to(CUDA)).logits
+    assert logits.dtype == torch.bfloat16 and logits.device == CUDA
+    _assert_close(logits, expected, BF16_TOL)
+    out = model.generate(ids.to(CUDA), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 20) and out.device == CUDA
+
+
+def test_an_out_of_range_id_raises_before_any_cuda_gather():
+    model = _model().to(CUDA)
+    with torch.no_grad(), pytest.raises(ValueError, match="outside"):
+        model(torch.tensor([[5, 96]], device=CUDA))
+    with torch.no_grad():  # a device-side assert would have left the CUDA context unusable
+        assert torch.isfinite(model(torch.tensor([[5, 95]], device=CUDA)).logits).all()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device_map", [{"": 0}, "cuda:0", "auto"])
+def test_a_cuda_device_map_load_keeps_tables_mapped_in_host_memory(tmp_path, device_map):
+    model = tiny_model(vocab_size=4096, intermediate_size=256)
+    model.save_pretrained(tmp_path)
+    ids = _ids((2, 9), vocab=4096)
+    with torch.no_grad():
+        expected = model(ids).logits
+    before = _allocated()
+    reloaded = StemForCausalLM.from_pretrained(tmp_path, device_map=device_map)
+    loaded = _allocated() - before
+    dense = sum(p.numel() * p.element_size() for n, p in reloaded.named_parameters() if "stem_tables" not in n)
+    for key, module in reloaded.model.stem_tables.items():
+        assert module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16
+        assert any("stem-tables-" in f for f in _mapped_files(module.weight)), f"table {key} is not a view on its file"
+        assert not hasattr(module, "_hf_hook")  # no accelerate hook: a forward never copies the whole table
+    assert reloaded.model.layers[1].mlp.gate_proj.weight.device == CUDA and reloaded.lm_head.weight.device == CUDA
+    assert loaded < dense + _table_bytes(reloaded) / 2, (loaded, dense)
+    with torch.no_grad():
+        _assert_close(reloaded(ids.to(CUDA)).logits, expected, FP32_TOL)
+    assert reloaded.generate(ids.to(CUDA), max_new_tokens=3, do_sample=False, pad_token_id=0).shape == (2, 12)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The offload engine
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_engine_copies_pinned_staging_on_a_side_stream_and_never_overwrites_rows_in_flight(int8):
+    """Twenty fetches of up to 4096 tokens (4 MB) back to back, no synchronization between them: the two pinned
+    staging buffers are reused and grown while earlier copies may still run, and each fetch's rows on the device must
+    still be exactly the store's."""
+    model = _model(vocab_size=4096, intermediate_size=256).to(CUDA)
+    engine = StemOffloadEngine(model, int8=int8)
+    assert engine.cuda and engine.device == CUDA
+    assert isinstance(engine.stream, torch.cuda.Stream) and engine.stream != torch.cuda.current_stream(CUDA)
+    generator = torch.Generator().manual_seed(5)
+    fetched = []
+    for _ in range(20):
+        n = int(torch.randint(1, 4096, (1,), generator=generator))
+        ids = torch.randint(0, 4096, (n,), generator=generator).unique()
+        rows, scales, ready = engine._fetch(ids)
+        assert isinstance(ready, torch.cuda.Event)
+        assert rows.device == CUDA and (scales is None) != int8
+        fetched.append((ids, rows, scales, ready))
+    assert all(buffer[0].is_pinned() for buffer in engine._staging if buffer is not None)
+    if int8:
+        assert all(buffer[1].is_pinned() for buffer in engine._staging if buffer is not None)
+    for ids, rows, scales, ready in fetched:
+        ready.synchronize()
+        assert ready.query()
+        expected_rows, expected_scales = engine.store.gather(ids)
+        assert torch.equal(rows.cpu(), expected_rows)
+        if int8:
+            assert torch.equal(scales.cpu(), expected_scales)
+    assert engine.stats["fetched_tokens"] == sum(len(ids) for ids, *_ in fetched)
+
+
+@pytest.mark.parametrize("cache_tokens", [0, 6, 200])
+def test_offloaded_and_host_tables_give_identical_logits_and_generations_on_cuda(cache_tokens):
+    model = _model()
+    ids = _ids((3, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        cpu_logits = model(ids, attention_mask=mask).logits
+    model.to(CUDA)
+    ids, mask = ids.to(CUDA), mask.to(CUDA)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    _assert_close(logits, cpu_logits, FP32_TOL)
+    greedy = model.generate(ids, do_sample=False, **kwargs)
+    torch.manual_seed(1)
+    sampled = model.generate(ids, do_sample=True, top_k=20, **kwargs)
+    before = _allocated()
+    with offloaded(model, cache_tokens=cache_tokens) as engine:
+        assert engine.cuda
+        if cache_tokens:
+            assert engine.cache.rows.device == CUDA
+        with torch.no_grad():
+            _assert_close(model(ids, attention_mask=mask).logits, logits, 1e-6)
+        assert torch.equal(model.generate(ids, do_sample=False, **kwargs), greedy)
+        torch.manual_seed(1)
+        assert torch.equal(model.generate(ids, do_sample=True, top_k=20, **kwargs), sampled)
+        cache_bytes = 0 if engine.cache is None else engine.cache.rows.numel() * engine.cache.rows.element_size()
+        assert _allocated() - before <= cache_bytes + 2**20  # the store stays on the host
+    assert engine.stats["forwards"] == 1 + 2 * 8
+    prompt = len(torch.unique(ids))
+    assert engine.stats["fetched_tokens"] <= 3 * prompt + 2 * 7 * 3
+    if cache_tokens == 200:
+        assert engine.cache.hit_rate > 0.3
+
+
+def test_the_row_cache_on_cuda_serves_a_prefetched_prompt():
+    model = _model().to(CUDA)
+    ids = _ids((1, 20)).to(CUDA)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, prefill_chunk_size=8)
+    expected = model.generate(ids, **kwargs)  # chunked too: the same kernels, so the same tokens exactly
+    with offloaded(model, cache_tokens=64) as engine:
+        fetched = engine.prefetch(ids)
+        assert fetched == len(torch.unique(ids)) and engine.prefetch(ids) == 0
+        out = model.generate(ids, **kwargs)
+        assert engine.cache.rows.device == CUDA
+    assert torch.equal(out, expected)
+    assert engine.cache.misses <= 5  # the prompt's chunks all hit; only generated tokens can miss
+
+
+def test_int8_offload_on_cuda_changes_logits_little():
+    model = _model().to(CUDA)
+    ids = _ids((2, 16)).to(CUDA)
+    with torch.no_grad():
+        expected = model(ids).logits
+        with offloaded(model, int8=True):
+            got = model(ids).logits
+        with offloaded(model, int8=True, cache_tokens=10) as engine:
+            cached = [model(ids).logits for _ in range(2)]
+    assert engine.cache.scales.device == CUDA and engine.cache.hits > 0
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max() and not torch.equal(got, expected)
+    for logits in cached:
+        _assert_close(logits, got, 1e-6)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_planned_prefill_gathers_and_copies_each_next_chunk_in_the_background_on_cuda(int8):
+    model = _model().to(CUDA)
+    ids = _ids((2, 21), seed=1).to(CUDA)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, prefill_chunk_size=8)
+    with offloaded(model, int8=int8) as reference:
+        expected = model.generate(ids, **kwargs)
+    assert reference.stats["planned_forwards"] == 0
+    with offloaded(model, int8=int8) as engine:
+        engine.plan(ids, chunk_size=8)
+        out = model.generate(ids, **kwargs)
+        assert engine.stats["planned_forwards"] == 3  # chunks of 8, 8 and 5 tokens, each gathered and copied ahead
+        assert not engine._plan and engine._ahead is None and engine._worker is not None
+        assert all(event is None or isinstance(event, torch.cuda.Event) for event in engine._events)
+    assert engine._worker is None
+    assert torch.equal(out, expected)
+
+
+def test_a_cuda_device_map_load_serves_freed_tables_from_the_store(tmp_path):
+    model = _model()
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = StemForCausalLM.from_pretrained(tmp_path / "ckpt", device_map={"": 0})
+    ids = _ids((2, 12), seed=2)
+    with torch.no_grad():
+        expected = model(ids).logits
+        engine = StemOffloadEngine(loaded, cache_tokens=16, free_tables=True).attach()
+        assert engine.device == CUDA and loaded.model.stem_tables["1"].weight.numel() == 0
+        _assert_close(loaded(ids.to(CUDA)).logits, expected, FP32_TOL)
+        assert engine.prefetch(torch.arange(3, 30)) > 0
+        engine.detach()  # rebuilds the freed tables (on the host) from the store
+        assert loaded.model.stem_tables["1"].weight.device.type == "cpu"
+        _assert_close(loaded(ids.to(CUDA)).logits, expected, FP32_TOL)
+    loaded.save_pretrained(tmp_path / "again")
+    reloaded = StemForCausalLM.from_pretrained(tmp_path / "again")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Healing on the GPU
+
+
+def _heal_fixture():
+    from test_conversion import _texts  # the tests folder is on sys.path, as for test_heal.py
+    from test_heal import _converted
+
+    dense, stem = _converted(init="xavier")
+    chunks = [torch.tensor([1, *t[:59]]) for t in _texts(8, 120, seed=7)]
+    return dense, stem, chunks
+
+
+def _kl(dense, stem, chunks, device) -> float:
+    from conversion.heal import distillation_loss
+
+    with torch.no_grad():
+        kls = [distillation_loss(stem(c[None].to(device)).logits, dense(c[None].to(device)).logits) for c in chunks]
+    return sum(kl.item() for kl in kls) / len(kls)
+
+
+def test_bf16_healing_steps_on_cuda_train_the_host_tables():
+    from conversion.heal import heal
+
+    dense, stem, chunks = _heal_fixture()
+    kl_before = _kl(dense, stem, chunks, "cpu")
+    dense.to(CUDA)
+    stem.to(CUDA)
+    tables = stem.model.stem_tables
+    assert all(t.weight.device.type == "cpu" and t.weight.dtype == torch.float32 for t in tables.values())
+    before = {key: t.weight.detach().clone() for key, t in tables.items()}
+    seen = []
+    hook = stem.model.layers[1].mlp.down_proj.register_forward_hook(  # shared with the blend during healing
+        lambda module, args, out: seen.append((out.dtype, out.device.type))
+    )
+    try:
+        info = heal(dense, stem, chunks, 3000, table_lr=3e-2, lr=1e-3, precision="bf16")
+    finally:
+        hook.remove()
+    assert info["heal_precision"] == "bf16"
+    assert math.isfinite(info["heal_kl_before"]) and math.isfinite(info["heal_kl_last"])
+    assert info["heal_kl_last"] < info["heal_kl_before"]
+    assert seen[-1] == (torch.bfloat16, "cuda")  # the last training step ran under autocast on the GPU
+    assert all(t.weight.device.type == "cpu" and t.weight.dtype == torch.float32 for t in tables.values())
+    assert all(not torch.equal(t.weight, before[key]) for key, t in tables.items())  # rows written back to the host
+    assert all(p.dtype == torch.float32 for p in stem.parameters())
+    assert stem.model.embed_tokens.weight.device == CUDA
+    kl_after = _kl(dense, stem, chunks, CUDA)
+    assert math.isfinite(kl_after) and kl_after < 0.7 * kl_before
+
+
+def test_fp32_healing_on_cuda_starts_where_cpu_healing_does():
+    from conversion.heal import heal
+
+    dense, stem, chunks = _heal_fixture()
+    gpu_dense, gpu_stem = copy.deepcopy(dense).to(CUDA), copy.deepcopy(stem).to(CUDA)
+    cpu_info = heal(dense, stem, chunks, 600, table_lr=3e-2, lr=1e-3)
+    gpu_info = heal(gpu_dense, gpu_stem, chunks, 600, table_lr=3e-2, lr=1e-3)
+    assert gpu_info["heal_precision"] == cpu_info["heal_precision"] == "fp32"
+    assert gpu_info["heal_kl_before"] == pytest.approx(cpu_info["heal_kl_before"], rel=1e-3)
+    assert gpu_info["heal_kl_last"] == pytest.approx(cpu_info["heal_kl_last"], rel=0.1)
+
+
+def test_convert_heals_on_cuda_with_auto_precision_and_saves_a_model_that_loads(tmp_path):
+    from test_conversion import _texts
+    from test_heal import _opinionated
+
+    from conversion import convert
+    from conversion.heal import resolve_precision
+
+    expected_precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
+    assert resolve_precision("auto", "cuda") == expected_precision
+    stem, report = convert(
+        _opinionated("llama"),
+        tmp_path / "out",
+        stem_layers=[1, 3],
+        init="mean",
+        calibration=_texts(6, 120, seed=2),
+        heldout=_texts(2, 120, seed=3),
+        chunk_len=60,
+        heal_tokens=600,
+        device="cuda",
+        heal_options={"precision": "auto"},
+    )
+    assert report["heal_precision"] == expected_precision
+    assert math.isfinite(report["heldout_perplexity_stem"])
+    assert stem.model.embed_tokens.weight.device.type == "cuda"
+    assert all(t.weight.device.type == "cpu" for t in stem.model.stem_tables.values())
+    reloaded = StemForCausalLM.from_pretrained(tmp_path / "out")
+    ids = _ids((2, 11), vocab=64)
+    with torch.no_grad():
+        _assert_close(stem(ids.to(CUDA)).logits, reloaded(ids).logits, FP32_TOL)
