@@ -10,14 +10,16 @@ import time
 import torch
 from tqdm import tqdm
 
-from stem_hf import StemForCausalLM, write_model_card
+from stem_hf import StemConfig, StemForCausalLM, write_model_card
+from stem_hf.accounting import check_local
+from stem_hf.storage_stem import SAVE_ID_KEY, read_save_id
 
 from .calibrate import calibrate, context_inputs
 from .feedback import refit_feedback
 from .heal import ANNEAL, check_heal_options, heal
 from .init_tables import calibrated_rows, projected_rows, ridge_map
 from .refit_down import refit_down
-from .sources import load_source, stem_config_from_dense
+from .sources import load_source, load_source_config, stem_config_from_dense
 
 INITS = ("fitted", "mean", "projected", "xavier")
 CALIBRATED_INITS = ("fitted", "mean")  # rows from calibration statistics, with a fallback for rare tokens
@@ -182,6 +184,37 @@ def _local_epochs(refit: str, gate_epochs: int | None, dense_epochs: int | None)
     return epochs["gate_epochs"], epochs["dense_epochs"]
 
 
+def check_source_and_out(
+    source, out: str | os.PathLike | None, stem_layers: str | list[int], table_dtype: str = "bfloat16"
+) -> StemConfig | None:
+    """What can go wrong before a source loads, checked from its config alone: a path source exists (a missing folder
+    is named as such, not tried as a Hub id), `out` is a folder and not the source's own (saving there would replace
+    the dense checkpoint), the architecture is supported and `stem_layers` fits its layers. Returns the `StemConfig`
+    the conversion will build (None for an already-loaded source, whose config is checked when it is used)."""
+    if out is not None and os.path.isfile(out):
+        raise FileExistsError(f"out: {os.fspath(out)} is a file; the STEM checkpoint is written to a folder")
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    source = os.fspath(source)
+    gguf = source.endswith(".gguf")
+    local = os.path.exists(source) if gguf else check_local(source)
+    folder = os.path.dirname(os.path.abspath(source)) if gguf else source
+    if out is not None and os.path.isdir(out) and os.path.isdir(folder) and os.path.samefile(out, folder):
+        raise ValueError(
+            f"out: {os.fspath(out)} is the source's own folder ({source}); the STEM checkpoint would replace its "
+            "weights and config: choose another folder"
+        )
+    try:
+        config = load_source_config(source)
+    except OSError as error:
+        if local or gguf:
+            raise
+        raise FileNotFoundError(
+            f"{source}: no such folder, nor a Hub repo whose config could be read ({error})"
+        ) from error
+    return stem_config_from_dense(config, stem_layers, table_dtype)
+
+
 def convert(
     source,
     out: str | os.PathLike | None = None,
@@ -225,7 +258,7 @@ def convert(
     the text runs out), `heal_options` going to `conversion.heal.heal` (`anneal` defaults to
     `conversion.heal.ANNEAL[init]`), on `device` (default: where the model is; tables stay in host memory). Saves to
     `out` (with the tokenizer, generation config, `conversion_report.json` and a model card) when given, and returns
-    `(model, report)`.
+    `(model, report)`. `check_source_and_out` runs before anything loads: `out` is never the source's own folder.
 
     For the report and the model card: `calibration_name` and `heldout_name` say what the texts are, `base_model` is
     the source's Hub id (default: `source` when it is one) and `license` its license id (e.g. "apache-2.0").
@@ -243,6 +276,15 @@ def convert(
     check_heal_options(heal_tokens, **heal_options, device=device)
     if heal_tokens and not calibration:
         raise ValueError("heal_tokens: healing distils on calibration text, and none was given (--calibration)")
+    planned = check_source_and_out(source, out, stem_layers, table_dtype)  # before the weights load
+    if planned is not None and planned.stem_layers and not calibration:
+        planned_refit = ("all" if init == "fitted" else "none") if refit is None else refit
+        for what, needed in (
+            (f"init {init!r}", init in CALIBRATED_INITS),
+            (f"refit {planned_refit!r}", planned_refit != "none"),
+        ):
+            if needed:
+                raise ValueError(f"{what} needs calibration text (--calibration)")
     start = time.perf_counter()
     if isinstance(source, (str, os.PathLike)):
         dense, loaded_tokenizer = load_source(os.fspath(source))
@@ -330,6 +372,8 @@ def convert(
     report["wall_time_s"] = time.perf_counter() - start
     if out is not None:
         stem.save_pretrained(out)
+        # Ties the report to the weights just saved: the model card leaves it out once a later save replaces them.
+        report[SAVE_ID_KEY] = read_save_id(out)
         if tokenizer is not None:
             tokenizer = copy.deepcopy(tokenizer)
             if bos is not None and tokenizer.bos_token_id == bos:

@@ -1,7 +1,11 @@
-"""Size and cost of a STEM model next to the dense model of the same shape, from its config alone."""
+"""Size and cost of a STEM model next to the dense model of the same shape, from its config alone; and the checks every
+command runs on a checkpoint argument before anything loads it."""
+
+import json
+import os
 
 import torch
-from transformers import AutoConfig
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from .configuration_stem import StemConfig
 from .modeling_stem import StemForCausalLM
@@ -27,8 +31,69 @@ def summarize(config: StemConfig, context_length: int = 2048) -> dict:
     }
 
 
-def load_config(path_or_id: str) -> StemConfig:
-    config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=True)
-    if config.model_type != StemConfig.model_type:
-        raise ValueError(f"{path_or_id} holds a {config.model_type!r} config, not a STEM one (model_type 'stem')")
-    return config
+CONFIG_NAME = "config.json"
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether `name` can only be a local path: Hub ids are `name` or `owner/name`, not `./x`, `/x`, `~/x`, `a/b/c`."""
+    separators = name.count("/") + (name.count(os.sep) if os.sep != "/" else 0)
+    if name.startswith((".", "/", "~", os.sep)) or separators > 1:
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def check_local(path_or_id: str, hub: bool = True) -> bool:
+    """True if `path_or_id` exists here, False for a Hub id. A missing path that cannot be a Hub id (any missing path
+    with `hub=False`) raises, so that a mistyped folder is not reported as a malformed Hub repo id."""
+    if os.path.exists(path_or_id):
+        return True
+    if not hub or looks_like_path(path_or_id):
+        raise FileNotFoundError(f"{path_or_id}: no such folder")
+    return False
+
+
+def read_model_type(path_or_id: str, hub: bool = True) -> str | None:
+    """The `model_type` of a checkpoint folder or Hub id, from its config.json parsed as plain JSON: no transformers
+    class and none of the checkpoint's own code (`auto_map`) runs, so a command can refuse it before loading it."""
+    if check_local(path_or_id, hub):
+        if not os.path.isdir(path_or_id):
+            raise NotADirectoryError(f"{path_or_id} is a file, not a checkpoint folder")
+        path = os.path.join(path_or_id, CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path_or_id} holds no {CONFIG_NAME}: not a checkpoint folder")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(path_or_id, CONFIG_NAME)
+        except (OSError, ValueError) as error:  # no repo, no file, offline, gated: all of them say what was tried
+            raise FileNotFoundError(
+                f"{path_or_id}: no such folder, nor a Hub repo whose {CONFIG_NAME} could be read "
+                f"({type(error).__name__}: {error})"
+            ) from error
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable {CONFIG_NAME} ({error})") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a {CONFIG_NAME} (a JSON object)")
+    return config.get("model_type")
+
+
+def check_stem(path_or_id: str, hub: bool = True) -> None:
+    """Raises unless `path_or_id` holds a STEM config: what a command checks before loading anything from it."""
+    model_type = read_model_type(path_or_id, hub)
+    if model_type != StemConfig.model_type:
+        raise ValueError(f"{path_or_id} holds a {model_type!r} config, not a STEM one (model_type 'stem')")
+
+
+def load_config(path_or_id: str, hub: bool = True) -> StemConfig:
+    """The `StemConfig` of a checkpoint, built by this package's class: a checkpoint's copied code never runs, and a
+    non-STEM one is refused before transformers reads it. `hub=False`: local folders only."""
+    check_stem(path_or_id, hub)
+    return StemConfig.from_pretrained(path_or_id)

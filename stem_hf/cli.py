@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import tempfile
 
 HEAL_PRECISIONS = ("fp32", "bf16", "auto")  # conversion.heal.PRECISIONS, without importing torch to parse arguments
 # `stem-hf convert`'s fallback context for rare and unseen tokens' rows (fitted and mean; `convert()` defaults to none):
@@ -31,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint to STEM")
     convert.add_argument("source", help="a checkpoint folder, a Hub id, or a .gguf file")
-    convert.add_argument("out", help="the folder to write the STEM checkpoint to")
+    convert.add_argument("out", help="the folder to write the STEM checkpoint to (not the source's)")
+    convert.add_argument("--overwrite", action="store_true", help="write into an OUT that already holds a model")
+    convert.add_argument(
+        "--tokenizer", metavar="PATH_OR_ID", help="the tokenizer for the text, where the source has none of its own"
+    )
     convert.add_argument("--stem-layers", default="1/3", help='"1/3", "1/2", "full", "1/N" or "1,4,7"')
     convert.add_argument("--init", default="fitted", choices=["fitted", "mean", "projected", "xavier"])
     convert.add_argument("--calibration", nargs="*", default=None, help="text files (default: the bundled corpus)")
@@ -172,8 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "eval":
         run_eval(args)
     elif args.command == "card":
+        from .accounting import check_stem
         from .model_card import write_model_card
 
+        check_stem(args.checkpoint, hub=False)  # a local STEM folder, even where a hand-written card is kept
         path = write_model_card(args.checkpoint, repo_id=args.repo_id, overwrite=args.force)
         print(f"wrote {path}" if path else f"kept the hand-written {args.checkpoint}/README.md (--force replaces it)")
     elif args.command == "pretrain":
@@ -203,8 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "analyze":
         run_analyze(args)
     elif args.command == "push":
+        from .accounting import check_local
         from .hub import push_checkpoint
 
+        check_local(args.checkpoint, hub=False)  # named as typed, before anything reads it
         kwargs = {"private": args.private or None, "revision": args.revision, "commit_message": args.commit_message}
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
 
@@ -214,11 +223,21 @@ def read_texts(paths: list[str]) -> list[str]:
     return [open(path, encoding="utf-8", errors="replace").read() for path in paths]
 
 
-def _load(checkpoint: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_tokenizer(checkpoint: str):
+    """The tokenizer of a STEM checkpoint, refused unless its config.json says STEM: never the checkpoint's own code."""
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
-    return model, AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
+    from .accounting import check_stem
+
+    check_stem(checkpoint)
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def _load_model(checkpoint: str):
+    """This package's `StemForCausalLM`, not the code copied next to the weights (call `_load_tokenizer` first)."""
+    from . import StemForCausalLM
+
+    return StemForCausalLM.from_pretrained(checkpoint).eval()
 
 
 def _converted_from(checkpoint: str) -> str | None:
@@ -238,7 +257,8 @@ def _converted_from(checkpoint: str) -> str | None:
 def run_analyze(args: argparse.Namespace) -> dict:
     from .analysis import run_analysis
 
-    model, tokenizer = _load(args.checkpoint)
+    tokenizer = _load_tokenizer(args.checkpoint)
+    model = _load_model(args.checkpoint)
     if args.text:
         texts = read_texts(args.text)
     else:
@@ -266,13 +286,21 @@ def run_edit(args: argparse.Namespace) -> tuple[str, str]:
 
     from .editing import StemEdit, StemEditor, find_occurrences
 
-    model, tokenizer = _load(args.checkpoint)
+    # Everything the text can get wrong is checked before the model loads.
+    if not args.prompt:
+        raise ValueError("--prompt: empty; the model needs some text to continue")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} must be at least 1")
+    tokenizer = _load_tokenizer(args.checkpoint)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise ValueError(f"--prompt: {args.prompt!r} tokenizes to no token; the model needs some text to continue")
     edit = StemEdit.from_text(tokenizer, args.source, args.target, args.strategy)
     if not find_occurrences(ids, edit.source) and not args.source.startswith(" "):
         # Mid-sentence words carry their leading space in most BPE vocabularies.
         spaced = StemEdit.from_text(tokenizer, " " + args.source, " " + args.target.lstrip(), args.strategy)
         edit = spaced if find_occurrences(ids, spaced.source) else edit
+    model = _load_model(args.checkpoint)
 
     def answer() -> str:
         out = model.generate(
@@ -290,26 +318,63 @@ def run_edit(args: argparse.Namespace) -> tuple[str, str]:
     return before, after
 
 
+def check_writable(output: str) -> None:
+    """Raises unless the results file `output` can be written (its folder is created if missing) and an existing one is
+    a results file to merge into: checked before the model loads, so that an evaluation is not lost at its end."""
+    path = os.path.abspath(output)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"--output: {output} is a folder; name a JSON file")
+    folder = os.path.dirname(path)
+    try:  # os.access says yes to root on a read-only mount or where a parent is a file: write a probe instead
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".stem-hf-probe-"):
+            pass
+    except OSError as error:
+        raise OSError(f"--output: cannot write {output} ({error}); pass --output somewhere writable") from error
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                earlier = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"--output: {output} exists and is not a results file to merge into ({error})") from error
+        if not isinstance(earlier, dict):
+            raise ValueError(f"--output: {output} exists and is not a results file (a JSON object) to merge into")
+
+
 def run_eval(args: argparse.Namespace) -> dict:
-    from .evaluation import RESULTS_FILE, evaluate, headline_metrics, load_for_eval
+    from pathlib import Path
+
+    from .accounting import check_local
+    from .evaluation import RESULTS_FILE, _merge_into, evaluate, headline_metrics, load_for_eval
     from .model_card import write_model_card
 
-    local = os.path.isdir(args.checkpoint)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--tasks: name at least one lm-eval task or group (e.g. stem_offline)")
+    local = check_local(args.checkpoint) and os.path.isdir(args.checkpoint)
     output = args.output or (os.path.join(args.checkpoint, RESULTS_FILE) if local else RESULTS_FILE)
+    check_writable(output)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     model, tokenizer = load_for_eval(args.checkpoint, args.device, args.dtype, tables_on_cpu=not args.tables_on_device)
     results = evaluate(
         model,
-        [t.strip() for t in args.tasks.split(",") if t.strip()],
+        tasks,
         tokenizer,
         batch_size=args.batch_size,
         limit=limit,
         num_fewshot=args.num_fewshot,
         include_path=args.include_path,
-        output=output,
     )
+    # Printed before the write: a write that fails still leaves the results on the screen.
     for task, metrics in headline_metrics(results).items():
         print(f"{task:24s} " + "  ".join(f"{metric} {value:.4f}" for metric, value in metrics.items()))
+    try:  # as `evaluate(output=...)` writes them, with the save id of the weights evaluated
+        _merge_into(Path(output), results, getattr(model, "stem_save_id", None))
+    except (OSError, ValueError) as error:
+        print(json.dumps(results, indent=2))
+        raise SystemExit(
+            f"stem-hf eval: could not write the results to {output} ({error}); they are printed above as JSON"
+        ) from error
     print(f"results: {output}")
     if local and os.path.samefile(os.path.dirname(os.path.abspath(output)), args.checkpoint):
         if getattr(model.config, "model_type", None) == "stem":

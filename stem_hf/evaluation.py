@@ -10,9 +10,16 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import logging
 
+from .accounting import read_model_type
 from .configuration_stem import StemConfig
+from .modeling_stem import StemForCausalLM
+from .storage_stem import SAVE_ID_KEY
+
+logger = logging.get_logger(__name__)
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 RESULTS_FILE = "lm_eval_results.json"
@@ -29,24 +36,36 @@ def load_for_eval(
 ):
     """`(model, tokenizer)` from a local folder or Hub id. A STEM model on an accelerator keeps its tables in host
     memory (memory-mapped) unless `tables_on_cpu=False`; `dtype` applies to the dense weights (tables keep
-    `config.table_dtype`)."""
+    `config.table_dtype`). Code shipped inside the checkpoint is never run: STEM loads with this package's classes."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     checkpoint = os.fspath(checkpoint)
-    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
-    kwargs = {"dtype": dtype, "trust_remote_code": True}
+    # config.json read as JSON first: a checkpoint's own code (`auto_map`) never runs. STEM loads with this package's
+    # classes, anything else only with an architecture transformers ships.
+    model_type = read_model_type(checkpoint)
+    stem = model_type == StemConfig.model_type
+    if not stem and model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{checkpoint} holds a {model_type!r} model, neither STEM nor an architecture transformers ships: "
+            "stem-hf eval does not run a checkpoint's own code"
+        )
+    if not stem and not tables_on_cpu:
+        raise ValueError(f"tables_on_cpu: {checkpoint} is a {model_type!r} model, which has no STEM tables")
+    try:  # before the weights: a missing tokenizer is found in a second, not after the model has loaded
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{checkpoint} has no tokenizer that loads without running its own code, which lm-eval needs: save one "
+            f"next to the weights ({err})"
+        ) from err
+    kwargs = {"dtype": dtype}
     if torch.device(device).type != "cpu":
         kwargs["device_map"] = {"": device}
-    if config.model_type == StemConfig.model_type:
-        kwargs["keep_tables_on_cpu"] = tables_on_cpu
-    elif not tables_on_cpu:
-        raise ValueError(f"tables_on_cpu: {checkpoint} is a {config.model_type!r} model, which has no STEM tables")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{checkpoint} has no tokenizer, which lm-eval needs: save one next to the weights") from err
-    return model, tokenizer
+    if stem:
+        model = StemForCausalLM.from_pretrained(checkpoint, keep_tables_on_cpu=tables_on_cpu, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=False, **kwargs)
+    return model.eval(), tokenizer
 
 
 def evaluate(
@@ -65,7 +84,9 @@ def evaluate(
     `load_for_eval`'s defaults). The shipped offline tasks are always found; `include_path` adds a folder of yours.
 
     Returns lm-eval's results (`results`, `groups`, `configs`, `n-samples`, ...). With `output`, they are also merged
-    into that JSON file (a task evaluated again replaces its earlier entry) by an atomic write.
+    into that JSON file (a task evaluated again replaces its earlier entry) by an atomic write, with the save id of the
+    checkpoint the model was loaded from (`stem_save_id`), so that the model card drops them once another save replaces
+    those weights; results the file holds for other weights are replaced, not merged.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -98,7 +119,9 @@ def evaluate(
     results = json.loads(json.dumps(results, default=_jsonable))  # what lm-eval's own writer does with odd values
     results.pop("samples", None)
     if output is not None:
-        _merge_into(Path(output), results)
+        # The save of the weights evaluated (set when the model was loaded from a local checkpoint): the model card
+        # quotes the results only next to those weights.
+        _merge_into(Path(output), results, getattr(model, "stem_save_id", None))
     return results
 
 
@@ -131,8 +154,18 @@ def _jsonable(value):
     return str(value) if not isinstance(value, torch.Tensor) else value.tolist()
 
 
-def _merge_into(path: Path, results: dict) -> None:
+def _merge_into(path: Path, results: dict, save_id: str | None = None) -> None:
+    """Merges `results` into the JSON file at `path`, recording `save_id`. Results recorded for other weights (another
+    save id, or none) are replaced, not merged: the file would otherwise claim them for these."""
     merged = json.loads(path.read_text()) if path.is_file() else {}
+    if merged and merged.get(SAVE_ID_KEY) != save_id:
+        logger.warning(
+            f"{path}: replacing the results of {', '.join(merged.get('results', {})) or 'no task'}, which describe "
+            "other weights than the ones just evaluated"
+        )
+        merged = {}
+    if save_id is not None:
+        merged[SAVE_ID_KEY] = save_id
     for key in MERGED_KEYS:
         if key in results:
             merged[key] = {**merged.get(key, {}), **results[key]}

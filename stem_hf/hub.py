@@ -29,7 +29,7 @@ def push_checkpoint(
     commit that also deletes weight files of an earlier push that the folder no longer has. A card on the Hub that a
     person wrote is kept. Returns the commit URL."""
     folder = Path(folder)
-    config = load_config(str(folder))
+    config = load_config(str(folder), hub=False)  # a missing folder is named as such, not tried as a repo id
     check_checkpoint_files(str(folder), config.vocab_size, config.intermediate_size, config.stem_layers)
     if not any(folder.glob("tokenizer*")):
         raise ValueError(f"{folder} has no tokenizer: save one there (tokenizer.save_pretrained) before pushing")

@@ -8,11 +8,14 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond the stan
 import ctypes
 import ctypes.util
 import json
+import math
 import os
 import re
+import secrets
 import shutil
 import struct
-import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,15 +24,59 @@ from transformers.modeling_utils import safe_save_file
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, logging
 from transformers.utils.hub import convert_file_size_to_int
 
+logger = logging.get_logger(__name__)
+
 TABLE_KEY = re.compile(r"(?:^|\.)stem_tables\.(\d+)\.weight$")
 TABLES_FILE = "stem-tables-{index:05d}-of-{total:05d}.safetensors"
 DENSE_FILE = "model-00001-of-00001.safetensors"
-# Files a save replaces; anything else in the folder (tokenizer, README, ...) is left alone.
-_WEIGHT_FILE = re.compile(r"(model|pytorch_model|stem-tables)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+# Every weight file of a save and its index carry this key with one fresh id: files of two saves are told apart at load.
+SAVE_ID_KEY = "stem_save_id"
+# Bits per element of each safetensors dtype (the sub-byte float formats pack elements): the bytes a tensor must span.
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
+    "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+_VARIANT = re.compile(r"[A-Za-z0-9_-]+")
+_STAGING_PREFIX = ".stem-saving-"
+# A staging folder nobody holds is a killed save's once it is this old; younger, it may be one that is just starting.
+_STALE_AFTER_S = 60.0
+# Where no lock can tell (no fcntl, or a file system without flock): only this old.
+_STALE_UNLOCKED_AFTER_S = 24 * 3600.0
 
 
-def read_safetensors_header(path: str) -> dict:
-    """The tensor entries of a safetensors file's header, after checking that the file holds every byte they name."""
+def check_variant(variant: str | None) -> None:
+    """Raises unless `variant` is None or a plain name ("fp16", "ema"): it goes into file names."""
+    if variant is not None and not _VARIANT.fullmatch(variant):
+        raise ValueError(f"variant: {variant!r} is not a plain name (letters, digits, '_' and '-')")
+
+
+def variant_name(name: str, variant: str | None = None) -> str:
+    """`name` as transformers names it for `variant` (its private `_add_variant`): `model.safetensors` ->
+    `model.fp16.safetensors`, `model.safetensors.index.json` -> `model.safetensors.index.fp16.json`."""
+    if not variant:
+        return name
+    base, extension = name.rsplit(".", 1)
+    return f"{base}.{variant}.{extension}"
+
+
+def _shard_name(name: str, variant: str | None, index: int, total: int) -> str:
+    """transformers' shard naming: `model.safetensors` -> `model[.VARIANT]-00001-of-00002.safetensors`."""
+    base = variant_name(name, variant).removesuffix(".safetensors")
+    return f"{base}-{index:05d}-of-{total:05d}.safetensors"
+
+
+def _weight_files(variant: str | None) -> re.Pattern:
+    """The files a save of `variant` replaces; other variants' weights and anything else (tokenizer, README...) stay."""
+    v = "" if not variant else r"\." + re.escape(variant)
+    shards = rf"(?:model|pytorch_model|stem-tables){v}(?:-\d{{5}}-of-\d{{5}})?\.(?:safetensors|bin)"
+    return re.compile(rf"{shards}|(?:model\.safetensors|pytorch_model\.bin)\.index{v}\.json")
+
+
+def _read_header(path: str) -> tuple[dict, dict]:
+    """`(tensor entries, metadata)` of a safetensors file's header, after checking that the entries are well formed,
+    that the file holds every byte they name, and that their `data_offsets` tile the data exactly as the format
+    requires (no overlap, no gap, each tensor's span its dtype times its shape)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -44,40 +91,138 @@ def read_safetensors_header(path: str) -> dict:
             header = json.loads(f.read(header_size))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path} is corrupt: its safetensors header is unreadable ({err})") from None
-    header.pop("__metadata__", None)
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is corrupt: its safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path} is corrupt: its __metadata__ is not a JSON object")
+    spans = []
     for name, entry in header.items():
-        end = 8 + header_size + entry["data_offsets"][1]
-        if end > size:
-            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {end} but the file has {size} bytes")
-    return header
+        corrupt = f"{path} is corrupt: tensor {name}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{corrupt} has no header entry (dtype, shape, data_offsets)")
+        for field in ("dtype", "shape", "data_offsets"):
+            if field not in entry:
+                raise ValueError(f"{corrupt} has no {field} in its header entry")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str):
+            raise ValueError(f"{corrupt} has dtype {dtype!r}, not a safetensors dtype name")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"{corrupt} has shape {shape!r}, not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)):
+            raise ValueError(f"{corrupt} has data_offsets {offsets!r}, not [begin, end]")
+        begin, end = offsets
+        if end < begin:
+            raise ValueError(f"{corrupt} ends before it begins: data_offsets {offsets}")
+        if 8 + header_size + end > size:
+            raise ValueError(
+                f"{path} is truncated: tensor {name} ends at byte {8 + header_size + end} but the file has {size} bytes"
+            )
+        bits = _DTYPE_BITS.get(dtype)  # a dtype newer than this list: its size is safetensors' to check
+        if bits is not None and (end - begin) * 8 != math.prod(shape) * bits:
+            raise ValueError(
+                f"{corrupt} spans {end - begin} bytes but a {dtype} tensor of shape {shape} takes "
+                f"{math.prod(shape) * bits // 8} (data_offsets {offsets})"
+            )
+        spans.append((begin, end, name))
+    position, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < position:
+            raise ValueError(
+                f"{path} is corrupt: tensor {name} overlaps tensor {previous} (data_offsets [{begin}, {end}], "
+                f"{previous} ends at {position})"
+            )
+        if begin > position:
+            raise ValueError(f"{path} is corrupt: tensor {name} begins at {begin}, leaving a gap after byte {position}")
+        position, previous = end, name
+    if 8 + header_size + position != size:
+        raise ValueError(f"{path} is corrupt: {size - 8 - header_size - position} bytes after its last tensor")
+    return header, metadata
 
 
-def check_checkpoint_files(folder: str, vocab_size: int, intermediate_size: int, stem_layers: list[int]) -> None:
-    """Raises, naming the file and the tensor, if a local checkpoint misses a shard or a table, holds a truncated or
-    corrupt file, or holds a table whose shape disagrees with the config. Does nothing for non-safetensors folders."""
-    single, index_path = os.path.join(folder, SAFE_WEIGHTS_NAME), os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
-    if os.path.isfile(single):  # transformers prefers it over an index
-        files = {SAFE_WEIGHTS_NAME: None}
+def read_safetensors_header(path: str) -> dict:
+    """The tensor entries of a safetensors file's header, after checking that they are consistent and that the file
+    holds every byte they name; errors name the file and the tensor."""
+    return _read_header(path)[0]
+
+
+def _read_index(path: str) -> dict:
+    """A safetensors index, checked to be JSON with a `weight_map` of tensor names to file names."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): re-run save_pretrained or restore the file") from None
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise ValueError(f'{path} has no "weight_map", which maps each tensor to the file that holds it')
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f'{path} is corrupt: its "weight_map" must map tensor names to file names')
+    if not isinstance(index.get("metadata") or {}, dict):
+        raise ValueError(f'{path} is corrupt: its "metadata" is not a JSON object')
+    return index
+
+
+def _leaves_folder(file: str) -> bool:
+    """Whether an index entry names a file outside the checkpoint folder: absolute, on another drive, or climbing out
+    with `..`. Decided on the path as written, not by resolving links: a Hub cache snapshot's files are links to blobs
+    outside the snapshot folder, and they belong to it."""
+    if not file or os.path.isabs(file) or os.path.splitdrive(file)[0]:
+        return True
+    normal = os.path.normpath(file)
+    return normal in (os.curdir, os.pardir) or normal.startswith(os.pardir + os.sep)
+
+
+def check_checkpoint_files(
+    folder: str, vocab_size: int, intermediate_size: int, stem_layers: list[int], variant: str | None = None
+) -> str | None:
+    """Raises, naming the file and the tensor, if a local checkpoint (of `variant`, as `from_pretrained(...,
+    variant=...)` loads it) misses a shard or a table, holds a truncated or corrupt file or index, an index entry
+    outside the folder, files of two saves (a save killed between its renames), or a table whose shape disagrees with
+    the config. Returns the checkpoint's save id (None for one saved before save ids, or without an index). Does nothing
+    for non-safetensors folders."""
+    check_variant(variant or None)
+    single = variant_name(SAFE_WEIGHTS_NAME, variant)
+    index_name = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    index_path = os.path.join(folder, index_name)
+    save_id = None
+    if os.path.isfile(os.path.join(folder, single)):  # transformers prefers it over an index
+        files = {single: None}
     elif os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+        index = _read_index(index_path)
+        save_id = (index.get("metadata") or {}).get(SAVE_ID_KEY)
         files = {}
-        for name, file in weight_map.items():
+        for name, file in index["weight_map"].items():
+            if _leaves_folder(file):
+                raise ValueError(
+                    f"{index_path}: entry {file!r} for {name} points outside {folder}; an index may only name files "
+                    "inside its checkpoint folder"
+                )
             files.setdefault(file, []).append(name)
     else:
-        return
+        return None
     found_tables = set()
     for file, names in files.items():
         path = os.path.join(folder, file)
         if not os.path.isfile(path):
             raise FileNotFoundError(
-                f"{path} is missing: {SAFE_WEIGHTS_INDEX_NAME} lists it as holding {len(names)} tensor(s), "
+                f"{path} is missing: {index_name} lists it as holding {len(names)} tensor(s), "
                 f"among them {sorted(names)[0]}"
             )
-        header = read_safetensors_header(path)
+        header, metadata = _read_header(path)
+        file_id = metadata.get(SAVE_ID_KEY)
+        torn = None
+        if names is not None and file_id != save_id:
+            torn = ValueError(
+                f"incomplete save: {path} belongs to another save (stem_save_id {file_id}) than {index_name} "
+                f"(stem_save_id {save_id}): a save into {folder} was interrupted between its renames; re-run "
+                "save_pretrained"
+            )
+            if file_id is not None:  # a save wrote it, and not the one that wrote the index: nothing else matters
+                raise torn
         for name in names or ():
             if name not in header:
-                raise ValueError(f"{path} lacks tensor {name}, which {SAFE_WEIGHTS_INDEX_NAME} says it holds")
+                raise ValueError(f"{path} lacks tensor {name}, which {index_name} says it holds")
         for name, entry in header.items():
             match = TABLE_KEY.search(name)
             if match is None:
@@ -93,17 +238,107 @@ def check_checkpoint_files(folder: str, vocab_size: int, intermediate_size: int,
                     f"intermediate_size] = [{vocab_size}, {intermediate_size}]"
                 )
             found_tables.add(layer)
+        if torn is not None:  # a file without an id among a save's: replaced by hand, or by a save before save ids
+            raise torn
     missing = sorted(set(stem_layers) - found_tables)
     if missing:
         raise ValueError(
             f"{folder}: the config lists STEM layer {missing[0]} but no file holds its table (stem_tables.{missing[0]}"
             f".weight); STEM layers without a table: {missing}"
         )
+    return save_id
 
 
-def save_tables(tables: dict[str, torch.Tensor], folder: str, dtype: torch.dtype, max_shard_size: int | str) -> dict:
-    """Writes the tables in `dtype` to `stem-tables-XXXXX-of-YYYYY.safetensors` files of at most `max_shard_size`
-    (a table larger than that gets a file of its own), one table cast at a time. Returns their weight map."""
+def read_save_id(folder: str | os.PathLike, variant: str | None = None) -> str | None:
+    """The save id recorded in `folder`'s index (of `variant`); None where there is no index or it records none."""
+    path = os.path.join(folder, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
+    if not os.path.isfile(path):
+        return None
+    return (_read_index(path).get("metadata") or {}).get(SAVE_ID_KEY)
+
+
+def _folder_save_ids(folder: str | os.PathLike) -> set[str | None]:
+    """The save id of every safetensors index in `folder`, the default one and each variant's."""
+    index = re.compile(r"model\.safetensors\.index(?:\.([A-Za-z0-9_-]+))?\.json")
+    ids = set()
+    for entry in os.listdir(folder) if os.path.isdir(folder) else ():
+        match = index.fullmatch(entry)
+        if match is not None:
+            try:
+                ids.add(read_save_id(folder, match.group(1)))
+            except (OSError, ValueError):  # a broken index is the load's to report
+                continue
+    return ids
+
+
+def provenance_matches(record: dict, folder: str | os.PathLike) -> bool:
+    """Whether a provenance record (a conversion report, evaluation results) describes weights in `folder`: its
+    `stem_save_id` is that of an index there. A record without one is tied to no save (written by hand, or before save
+    ids existed) and is taken as it is."""
+    save_id = record.get(SAVE_ID_KEY) if isinstance(record, dict) else None
+    return save_id is None or save_id in _folder_save_ids(folder)
+
+
+def stale_provenance(folder: str | os.PathLike, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Those of the JSON files `names` in `folder` that record the save id of weights no longer there."""
+    stale = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):  # unreadable: the model card says so
+            continue
+        if not provenance_matches(record, folder):
+            stale.append(name)
+    return stale
+
+
+def stamp_safetensors(path: str, metadata: dict[str, str]) -> None:
+    """Adds `metadata` to the header of a safetensors file written by someone else (transformers' dense shards): a new
+    file with the grown header, the tensor bytes copied after it in the kernel (shared, not copied, on file systems
+    with reflinks), then renamed over the old one."""
+    _read_header(path)  # a file that is not whole gets no stamp
+    with open(path, "rb") as src:
+        (old_size,) = struct.unpack("<Q", src.read(8))
+        header = json.loads(src.read(old_size))
+        header["__metadata__"] = {**(header.get("__metadata__") or {}), **metadata}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keeps the tensor bytes 8-byte aligned, as safetensors writes them
+        tmp = path + ".stamp"
+        with open(tmp, "wb") as dst:
+            dst.write(struct.pack("<Q", len(raw)) + raw)
+            dst.flush()
+            start, length = 8 + old_size, os.path.getsize(path) - 8 - old_size
+            copied = 0
+            try:
+                while copied < length:
+                    n = os.copy_file_range(src.fileno(), dst.fileno(), length - copied, start + copied)
+                    if n == 0:
+                        break
+                    copied += n
+            except (AttributeError, OSError):  # no copy_file_range here, or not between these files
+                pass
+            if copied < length:
+                src.seek(start + copied)
+                dst.seek(8 + len(raw) + copied)
+                shutil.copyfileobj(src, dst, 16 << 20)
+    os.replace(tmp, path)
+
+
+def save_tables(
+    tables: dict[str, torch.Tensor],
+    folder: str,
+    dtype: torch.dtype,
+    max_shard_size: int | str,
+    save_id: str | None = None,
+    variant: str | None = None,
+) -> dict:
+    """Writes the tables in `dtype` to `stem-tables[.VARIANT]-XXXXX-of-YYYYY.safetensors` files of at most
+    `max_shard_size` (a table larger than that gets a file of its own), one table cast at a time, each stamped with
+    `save_id`. Returns their weight map."""
     limit = convert_file_size_to_int(max_shard_size)
     shards, size = [[]], 0
     for name in sorted(tables, key=lambda n: int(TABLE_KEY.search(n).group(1))):
@@ -114,28 +349,40 @@ def save_tables(tables: dict[str, torch.Tensor], folder: str, dtype: torch.dtype
         shards[-1].append(name)
         size += nbytes
     shards = [names for names in shards if names]
+    metadata = {"format": "pt", **({SAVE_ID_KEY: save_id} if save_id else {})}
     weight_map = {}
     for i, names in enumerate(logging.tqdm(shards, desc="Writing STEM tables", disable=not shards), start=1):
-        file = TABLES_FILE.format(index=i, total=len(shards))
+        file = _shard_name("stem-tables.safetensors", variant, i, len(shards))
         shard = {name: tables[name].detach().to(device="cpu", dtype=dtype).contiguous() for name in names}
-        safe_save_file(shard, os.path.join(folder, file), metadata={"format": "pt"})
+        safe_save_file(shard, os.path.join(folder, file), metadata=metadata)
         weight_map.update(dict.fromkeys(names, file))
     return weight_map
 
 
 def finish_checkpoint(
-    folder: str, tables: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_size, total_parameters: int
-):
-    """Adds the tables to a folder where transformers saved the dense weights, and writes one index for all files."""
-    index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    folder: str,
+    tables: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    max_shard_size,
+    total_parameters: int,
+    variant: str | None = None,
+) -> str:
+    """Adds the tables to a folder where transformers saved the dense weights (of `variant`), stamps every weight file
+    with a fresh save id, and writes one index for all files, with that id. Returns the id."""
+    save_id = uuid.uuid4().hex
+    index_path = os.path.join(folder, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_index(index_path)["weight_map"]
     else:
         # An index beside `model.safetensors` would be ignored: transformers loads the single file first.
-        os.rename(os.path.join(folder, SAFE_WEIGHTS_NAME), os.path.join(folder, DENSE_FILE))
-        weight_map = dict.fromkeys(read_safetensors_header(os.path.join(folder, DENSE_FILE)), DENSE_FILE)
-    weight_map.update(save_tables(tables, folder, dtype, max_shard_size))
+        dense = _shard_name(SAFE_WEIGHTS_NAME, variant, 1, 1)
+        os.rename(os.path.join(folder, variant_name(SAFE_WEIGHTS_NAME, variant)), os.path.join(folder, dense))
+        weight_map = dict.fromkeys(read_safetensors_header(os.path.join(folder, dense)), dense)
+    # transformers writes its shards with no say over their metadata: the id goes in afterwards. The dense bytes are
+    # copied once more, within the staging folder, which is what telling a torn save apart at load costs.
+    for file in set(weight_map.values()):
+        stamp_safetensors(os.path.join(folder, file), {SAVE_ID_KEY: save_id})
+    weight_map.update(save_tables(tables, folder, dtype, max_shard_size, save_id, variant))
     total_size = 0
     for file in set(weight_map.values()):
         total_size += sum(
@@ -143,11 +390,12 @@ def finish_checkpoint(
             for e in read_safetensors_header(os.path.join(folder, file)).values()
         )
     index = {
-        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size, SAVE_ID_KEY: save_id},
         "weight_map": dict(sorted(weight_map.items())),
     }
     with open(index_path, "w") as f:
         f.write(json.dumps(index, indent=2) + "\n")
+    return save_id
 
 
 _MADV_RANDOM = 1  # the same value on Linux and macOS
@@ -178,21 +426,86 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _lock(folder: str) -> int | None:
+    """Holds an exclusive lock on `folder` for as long as the returned descriptor is open; the kernel drops it when the
+    process dies, which is how a later save tells a killed save's staging folder from a running one's. None where
+    locks are not available."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _abandoned(folder: str) -> bool:
+    """Whether a staging folder was left by a save that no longer runs: no process holds its lock and it is over a
+    minute old (a save that has just made it may not hold the lock yet). Where no lock can tell, only after a day."""
+    age = time.time() - os.lstat(folder).st_mtime
+    if age < _STALE_AFTER_S:
+        return False
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        return age > _STALE_UNLOCKED_AFTER_S
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return age > _STALE_UNLOCKED_AFTER_S
+    finally:
+        os.close(fd)
+    return True
+
+
+def _remove_abandoned_staging(target: str) -> None:
+    """Removes the staging folders of killed saves to `target`: inside it (any `.stem-saving-*` folder: the target's
+    own), and beside it those named for it. Files, other targets' folders and running saves' folders stay."""
+    parent, name = os.path.split(target)
+    beside = re.compile(re.escape(f"{_STAGING_PREFIX}{name}-") + r"[0-9a-f]{12}")
+    candidates = [os.path.join(parent, entry) for entry in os.listdir(parent) if beside.fullmatch(entry)]
+    if os.path.isdir(target):
+        candidates += [os.path.join(target, e) for e in os.listdir(target) if e.startswith(_STAGING_PREFIX)]
+    for path in candidates:
+        if os.path.isdir(path) and not os.path.islink(path) and _abandoned(path):
+            logger.warning(f"removing {path}, left by a save that was killed before it finished")
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @contextmanager
-def staged_folder(target: str | os.PathLike) -> Iterator[str]:
+def staged_folder(target: str | os.PathLike, variant: str | None = None) -> Iterator[str]:
     """Yields an empty folder beside `target` to save into, then commits it: a new `target` appears in one rename; an
-    existing one gets each file replaced by rename, stale weight files removed, and the index put in place last. Every
-    byte is on disk before the first rename, and nothing in `target` is touched if the save fails."""
+    existing one gets each file replaced by rename (weight files first, the index of `variant` last) and stale weight
+    files of `variant` removed. Every byte is on disk before the first rename, and nothing in `target` is touched if
+    the save fails. A commit killed between its renames leaves weight files whose save id differs from the index's,
+    which `check_checkpoint_files` refuses; the staging folders of killed saves are removed by the next save."""
     target = os.path.abspath(target)
     if os.path.isfile(target):
         raise NotADirectoryError(f"{target} is a file; save_pretrained needs a folder")
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    # Stage inside an existing target (same filesystem even if it is a mount point), beside a new one.
-    staging = tempfile.mkdtemp(prefix=".stem-saving-", dir=target if os.path.isdir(target) else parent)
+    _remove_abandoned_staging(target)
+    # Stage inside an existing target (same filesystem even if it is a mount point), beside a new one, named for it so
+    # that the next save to it can clean up after a killed one.
+    if os.path.isdir(target):
+        staging = os.path.join(target, _STAGING_PREFIX + secrets.token_hex(6))
+    else:
+        staging = os.path.join(parent, f"{_STAGING_PREFIX}{os.path.basename(target)}-{secrets.token_hex(6)}")
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; a new checkpoint gets the usual permissions
+    os.mkdir(staging)  # with the usual permissions: a new checkpoint is this folder
+    lock = _lock(staging)
     try:
         yield staging
         for name in os.listdir(staging):
@@ -201,23 +514,41 @@ def staged_folder(target: str | os.PathLike) -> Iterator[str]:
             os.rename(staging, target)
         else:
             new = os.listdir(staging)
-            stale = [f for f in os.listdir(target) if _WEIGHT_FILE.fullmatch(f) and f not in new]
+            weight_files = _weight_files(variant)
+            index_name = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+            single = variant_name(SAFE_WEIGHTS_NAME, variant)
+            stale = [f for f in os.listdir(target) if weight_files.fullmatch(f) and f not in new]
             for name in new:  # files mkstemp-like writers made private get the usual permissions too
                 os.chmod(os.path.join(staging, name), 0o666 & ~umask)
-            for name in sorted(new, key=lambda f: f == SAFE_WEIGHTS_INDEX_NAME):
+            # Weight files first: once one is in, the old index no longer matches and a kill is caught at load; the
+            # config and code follow, so they never change under old weights.
+            for name in sorted(new, key=lambda f: (f == index_name, not weight_files.fullmatch(f), f)):
+                if name == index_name and single in stale:
+                    # transformers would load a stale single file in preference to the new index.
+                    os.remove(os.path.join(target, single))
+                    stale.remove(single)
                 os.replace(os.path.join(staging, name), os.path.join(target, name))
             for name in stale:
                 os.remove(os.path.join(target, name))
         _fsync(parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
 
 
 __all__ = [
     "advise_random_access",
     "check_checkpoint_files",
+    "check_variant",
     "finish_checkpoint",
+    "provenance_matches",
     "read_safetensors_header",
+    "read_save_id",
+    "SAVE_ID_KEY",
+    "stale_provenance",
     "staged_folder",
+    "stamp_safetensors",
     "TABLE_KEY",
+    "variant_name",
 ]

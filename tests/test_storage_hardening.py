@@ -1,0 +1,353 @@
+"""Checkpoint hardening (issue 23): index entries that leave the folder, corrupt indexes and headers, saves torn between
+their renames, stale staging folders, provenance files tied to the weights they describe, and weight-file variants."""
+
+import json
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from stem_hf import StemForCausalLM
+from stem_hf.evaluation import RESULTS_FILE, evaluate
+from stem_hf.model_card import render_model_card
+from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
+from tests.fake_hub import fake_hub
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INDEX = "model.safetensors.index.json"
+DENSE = "model-00001-of-00001.safetensors"
+TABLES = "stem-tables-00001-of-00001.safetensors"
+REPORT = "conversion_report.json"
+
+
+def _read_raw(path) -> tuple[dict, bytes]:
+    data = open(path, "rb").read()
+    (size,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + size]), data[8 + size :]
+
+
+def _write_raw(path, header: dict, body: bytes) -> None:
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def _index(folder) -> dict:
+    return json.loads((folder / INDEX).read_text())
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "ckpt")
+    return model, tmp_path / "ckpt"
+
+
+# 1. Index entries outside the checkpoint folder
+
+
+@pytest.mark.parametrize("entry", ["../other/" + TABLES, "sub/../../other/" + TABLES, "ABSOLUTE"])
+def test_an_index_entry_outside_the_checkpoint_folder_is_refused(saved, tmp_path, entry):
+    _, folder = saved
+    tiny_model().save_pretrained(tmp_path / "other")  # a real file of the right shapes lies there
+    (folder / "sub").mkdir()
+    entry = str(tmp_path / "other" / TABLES) if entry == "ABSOLUTE" else entry
+    index = _index(folder)
+    index["weight_map"]["model.stem_tables.3.weight"] = entry
+    (folder / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"{INDEX}: entry '{entry}' for model.stem_tables.3.weight points outside"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+# 2. Corrupt indexes and safetensors headers
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("{not json", "is not valid JSON"),
+        ('{"metadata": {}}', 'has no "weight_map"'),
+        ('{"weight_map": [1]}', 'is corrupt: its "weight_map" must map'),
+    ],
+)
+def test_an_index_that_is_not_json_or_lacks_a_weight_map_names_the_file(saved, text, says):
+    _, folder = saved
+    (folder / INDEX).write_text(text)
+    with pytest.raises(ValueError, match=f"{INDEX} {says}"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+def _end_before_begin(entry: dict) -> None:
+    entry["data_offsets"] = entry["data_offsets"][::-1]
+
+
+def _overlapping(entry: dict) -> None:
+    entry["data_offsets"] = [entry["data_offsets"][0] - 64, entry["data_offsets"][1] - 64]
+
+
+def _wrong_dtype(entry: dict) -> None:
+    entry["dtype"] = "F32"  # twice the bytes the offsets span
+
+
+def _no_dtype(entry: dict) -> None:
+    del entry["dtype"]
+
+
+def _no_offsets(entry: dict) -> None:
+    del entry["data_offsets"]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "says"),
+    [
+        (_end_before_begin, "ends before it begins"),
+        (_overlapping, "overlaps tensor model.stem_tables.1.weight"),
+        (_wrong_dtype, "spans 12288 bytes but a F32 tensor of shape \\[96, 64\\] takes 24576"),
+        (_no_dtype, "has no dtype"),
+        (_no_offsets, "has no data_offsets"),
+    ],
+)
+def test_inconsistent_data_offsets_name_the_file_and_the_tensor(saved, corrupt, says):
+    _, folder = saved
+    header, body = _read_raw(folder / TABLES)
+    assert header["model.stem_tables.3.weight"]["data_offsets"] == [12288, 24576]
+    corrupt(header["model.stem_tables.3.weight"])
+    _write_raw(folder / TABLES, header, body)
+    with pytest.raises(ValueError, match=f"{TABLES} is corrupt: tensor model.stem_tables.3.weight {says}"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+# 3. Saves torn between their renames, and the staging folders killed saves leave
+
+
+def test_a_save_killed_between_any_two_renames_is_refused_at_load_never_loaded_as_a_mix(tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    old = tiny_model()
+    old.save_pretrained(folder)
+    old_state, real_replace = _state(old), os.replace
+    for kills_after in range(1, 8):  # 7 files replaced in turn, then the index
+        new = tiny_model()  # other weights, same shapes
+        done = []
+
+        def replace(src, dst, *args, _after=kills_after, _done=done, **kwargs):
+            if os.path.dirname(os.fspath(dst)) == str(folder) and not os.fspath(dst).endswith("README.md"):
+                if len(_done) == _after:
+                    raise KeyboardInterrupt("killed")
+                _done.append(dst)
+            return real_replace(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", replace)
+        with pytest.raises(KeyboardInterrupt):
+            new.save_pretrained(folder)
+        monkeypatch.undo()
+        try:
+            loaded = StemForCausalLM.from_pretrained(folder)
+        except ValueError as err:
+            assert "incomplete save" in str(err) and "re-run save_pretrained" in str(err), err
+        else:
+            assert _same(_state(loaded), old_state), f"killed after {kills_after} renames: a mix loaded"
+        old.save_pretrained(folder)  # a whole save repairs the folder
+        assert _same(_state(StemForCausalLM.from_pretrained(folder)), old_state)
+
+
+@pytest.mark.parametrize(
+    ("from_other_save", "named"),
+    [((TABLES,), TABLES), ((TABLES, DENSE), DENSE), ((INDEX,), DENSE)],
+)
+def test_files_from_two_saves_are_refused_as_an_incomplete_save(saved, tmp_path, from_other_save, named):
+    model, folder = saved
+    with torch.no_grad():
+        model.model.stem_tables["1"].weight.add_(1)
+        model.model.embed_tokens.weight.add_(1)
+    model.save_pretrained(tmp_path / "newer")
+    for name in from_other_save:  # what a save killed between its renames leaves
+        (folder / name).write_bytes((tmp_path / "newer" / name).read_bytes())
+    with pytest.raises(ValueError, match=f"incomplete save: .*{named} belongs to another save.*re-run save_pretrained"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+def test_checkpoints_saved_before_save_ids_load_and_one_stamped_file_among_them_is_refused(saved):
+    model, folder = saved
+    index = _index(folder)
+    del index["metadata"]["stem_save_id"]
+    (folder / INDEX).write_text(json.dumps(index))
+    stamped = {}
+    for name in (DENSE, TABLES):
+        header, body = _read_raw(folder / name)
+        stamped[name] = (json.loads(json.dumps(header)), body)
+        del header["__metadata__"]["stem_save_id"]
+        _write_raw(folder / name, header, body)
+    assert _same(_state(StemForCausalLM.from_pretrained(folder)), _state(model))
+    _write_raw(folder / TABLES, *stamped[TABLES])
+    with pytest.raises(ValueError, match=f"incomplete save: .*{TABLES} belongs to another save"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+def _age(path, seconds: float = 3600) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_the_next_save_removes_staging_folders_of_killed_saves_and_nothing_else(saved, tmp_path):
+    import fcntl
+
+    model, folder = saved
+    left_inside = folder / ".stem-saving-k1llm3xx"  # the name the save before this change gave its staging folder
+    left_beside = tmp_path / ".stem-saving-new-0123456789ab"  # a killed save to a new folder `new`
+    others = {
+        "another target's": tmp_path / ".stem-saving-news-0123456789ab",
+        "a file, not a folder": folder / ".stem-saving-notes.txt",
+        "just created": folder / ".stem-saving-fresh0000000",
+        "held by a live save": folder / ".stem-saving-live0000000",
+    }
+    for path in (left_inside, left_beside, *others.values()):
+        if path.suffix == ".txt":
+            path.write_text("mine")
+        else:
+            path.mkdir()
+            (path / TABLES).write_bytes(b"half")
+        if path != others["just created"]:
+            _age(path)
+    held = os.open(others["held by a live save"], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        model.save_pretrained(folder)
+        model.save_pretrained(tmp_path / "new")
+    finally:
+        os.close(held)
+    assert not left_inside.exists() and not left_beside.exists()
+    for what, path in others.items():
+        assert path.exists(), what
+    assert _same(_state(StemForCausalLM.from_pretrained(tmp_path / "new")), _state(model))
+
+
+def test_a_save_killed_by_sigkill_before_its_index_is_refused_until_the_next_save_cleans_up(saved, tmp_path):
+    model, folder = saved
+    code = f"""
+        import os, signal, torch
+        from tests.conftest import tiny_model
+        torch.manual_seed(1)
+        real = os.replace
+        def replace(src, dst, *args, **kwargs):
+            if os.fspath(dst) == {str(folder / INDEX)!r}:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst, *args, **kwargs)
+        os.replace = replace
+        tiny_model().save_pretrained({str(folder)!r})
+    """
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    (staging,) = [p for p in folder.iterdir() if p.name.startswith(".stem-saving-")]
+    with pytest.raises(ValueError, match="incomplete save: .*belongs to another save"):
+        StemForCausalLM.from_pretrained(folder)
+    _age(staging)
+    model.save_pretrained(folder)
+    assert not staging.exists()
+    assert _same(_state(StemForCausalLM.from_pretrained(folder)), _state(model))
+
+
+# 4. Provenance files tied to the weights they describe
+
+
+def test_convert_ties_its_report_to_the_weights_and_a_later_save_unties_it(tmp_path, caplog):
+    from conversion import convert
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    dense = LlamaForCausalLM(LlamaConfig(**shape, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)).eval()
+    out = tmp_path / "converted"
+    _, report = convert(dense, out, stem_layers=[1], init="xavier")
+    saved_report = json.loads((out / REPORT).read_text())
+    assert saved_report["stem_save_id"] == report["stem_save_id"] == _index(out)["metadata"]["stem_save_id"]
+    assert "tables initialized with `xavier`" in str(render_model_card(out))
+    with caplog.at_level(logging.WARNING):
+        tiny_model().save_pretrained(out)  # another model into the same folder
+    assert REPORT in caplog.text and "earlier save" in caplog.text
+    assert (out / REPORT).is_file()  # the user's file stays
+    text = (out / "README.md").read_text()
+    assert "not converted from a dense checkpoint" in text and "xavier" not in text
+
+
+def test_evaluation_results_are_tied_to_the_checkpoint_evaluated(tmp_path, caplog):
+    folder = tmp_path / "ckpt"
+    tiny_model(vocab_size=BYTE_VOCAB, max_position_embeddings=128).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    model = StemForCausalLM.from_pretrained(folder)
+    evaluate(model, ["stem_facts"], byte_tokenizer(), limit=2, output=folder / RESULTS_FILE)
+    results = json.loads((folder / RESULTS_FILE).read_text())
+    assert results["stem_save_id"] == _index(folder)["metadata"]["stem_save_id"]
+    assert "| stem_facts | acc |" in str(render_model_card(folder))
+    with caplog.at_level(logging.WARNING):
+        tiny_model(vocab_size=BYTE_VOCAB).save_pretrained(folder)
+    assert RESULTS_FILE in caplog.text
+    assert "| stem_facts | acc |" not in (folder / "README.md").read_text()
+
+    # Results of other weights are not merged with new ones: the file would claim them for this checkpoint.
+    reloaded = StemForCausalLM.from_pretrained(folder)
+    evaluate(reloaded, ["stem_facts"], byte_tokenizer(), limit=1, output=folder / RESULTS_FILE)
+    results = json.loads((folder / RESULTS_FILE).read_text())
+    assert results["stem_save_id"] == _index(folder)["metadata"]["stem_save_id"]
+    assert results["n-samples"]["stem_facts"]["effective"] == 1
+
+
+def test_push_to_hub_uploads_only_provenance_of_the_weights_it_pushes(tmp_path):
+    folder = tmp_path / "ckpt"
+    tiny_model().save_pretrained(folder)
+    save_id = _index(folder)["metadata"]["stem_save_id"]
+    report = {"source": "org/dense", "init": "xavier", "stem_save_id": save_id}
+    (folder / REPORT).write_text(json.dumps(report))
+    (folder / RESULTS_FILE).write_text(json.dumps({"results": {}, "stem_save_id": "0" * 32}))  # another save's
+    code = f"""
+        from stem_hf import StemForCausalLM
+        StemForCausalLM.from_pretrained({str(folder)!r}).push_to_hub("user/pushed")
+    """
+    with fake_hub(lifetime=300) as (endpoint, state):
+        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        files = state.repos["user/pushed"]
+    assert RESULTS_FILE not in files
+    pushed_id = json.loads(files[INDEX])["metadata"]["stem_save_id"]
+    assert json.loads(files[REPORT])["stem_save_id"] == pushed_id != save_id  # the pushed weights are the loaded ones
+    assert "tables initialized with `xavier`" in files["README.md"].decode()
+
+
+# 5. Weight-file variants
+
+
+def test_a_variant_saves_beside_the_default_weights_and_loads_with_the_same_outputs(saved):
+    model, folder = saved
+    other = tiny_model()
+    other.save_pretrained(folder, variant="fp16")
+    files = {p.name for p in folder.iterdir()}
+    assert {"model.safetensors.index.fp16.json", "model.fp16-00001-of-00001.safetensors"} <= files
+    assert "stem-tables.fp16-00001-of-00001.safetensors" in files
+    assert {INDEX, DENSE, TABLES} <= files  # the default weights stay
+    input_ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        for variant, expected in ((None, model), ("fp16", other)):
+            loaded = StemForCausalLM.from_pretrained(folder, variant=variant).eval()
+            assert torch.equal(loaded(input_ids).logits, expected(input_ids).logits), variant
+    (folder / "stem-tables.fp16-00001-of-00001.safetensors").unlink()  # the checks read the variant's index too
+    with pytest.raises(FileNotFoundError, match=r"stem-tables.fp16-00001-of-00001.safetensors is missing"):
+        StemForCausalLM.from_pretrained(folder, variant="fp16")
+    assert _same(_state(StemForCausalLM.from_pretrained(folder)), _state(model))
