@@ -640,6 +640,15 @@ class StemPreTrainedModel(PreTrainedModel):
                 f"{offloaded[0]} is offloaded to disk (on the meta device) and cannot be saved: load the model with "
                 "keep_tables_on_cpu=True (the default) or without a 'disk' entry for the tables in device_map"
             )
+        finer = sorted(
+            {str(t.dtype)[6:] for t in tables.values() if t.itemsize > getattr(torch, self.config.table_dtype).itemsize}
+        )
+        if finer:
+            logger.warning_once(
+                f"tables held in {', '.join(finer)} (trained: train() upcasts them) are saved in config.table_dtype "
+                f"{self.config.table_dtype}, which rounds away updates smaller than its spacing; "
+                "model.set_table_dtype('float32') before saving keeps every update, in twice the bytes"
+            )
         # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
         if self._auto_class is not None:
             auto_map = getattr(self.config, "auto_map", None) or {}

@@ -199,7 +199,7 @@ def _touched_fraction_changed(model, steps: int = 3, lr: float = 1e-5) -> float:
     return float(sum(moved) / len(moved))
 
 
-def test_a_plain_trainer_fine_tunes_bf16_tables_in_float32_and_saves_them_as_stored(tmp_path):
+def test_a_plain_trainer_fine_tunes_bf16_tables_in_float32_and_saves_them_as_stored(tmp_path, caplog):
     model = tiny_model(table_dtype="bfloat16")
     torch.nn.init.normal_(model.model.stem_tables["1"].weight, std=1.0)  # values whose bf16 spacing dwarfs 1e-5 steps
     torch.nn.init.normal_(model.model.stem_tables["3"].weight, std=1.0)
@@ -208,7 +208,14 @@ def test_a_plain_trainer_fine_tunes_bf16_tables_in_float32_and_saves_them_as_sto
     assert loaded.model.stem_tables["1"].weight.dtype == torch.bfloat16
     assert _touched_fraction_changed(loaded) > 0.9
     assert loaded.model.stem_tables["1"].weight.dtype == torch.float32
-    loaded.save_pretrained(tmp_path / "tuned")
+    from transformers.utils import logging
+
+    logging.get_logger("stem_hf.modeling_stem").warning_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        loaded.save_pretrained(tmp_path / "tuned")
+    assert (
+        "tables held in float32 (trained: train() upcasts them) are saved in config.table_dtype bfloat16" in caplog.text
+    )
     reread = StemForCausalLM.from_pretrained(tmp_path / "tuned")
     assert reread.config.table_dtype == "bfloat16" and reread.model.stem_tables["1"].weight.dtype == torch.bfloat16
 
