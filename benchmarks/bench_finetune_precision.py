@@ -1,6 +1,7 @@
 """Fine-tuning a STEM checkpoint with a plain `Trainer` and its defaults: the share of the touched table values that an
 update actually moves, with the tables trained as stored (bf16, the old default) and upcast to float32 by `train()`
-(the default now), side by side on the same checkpoint, batches and learning rates.
+(the default now), side by side on the same checkpoint, batches and learning rates; and what of it a save keeps: the
+default save (float32 once `train()` upcast the tables) reloaded, and a bf16 save (computed by rounding).
 
 The checkpoint is SmolLM2-135M converted to STEM-1/3 with `--init projected` (rows from the dense weights, no
 calibration: seconds), its tables stored in bf16 as `stem-hf convert` writes them. "Touched" values are the table rows
@@ -50,18 +51,24 @@ def finetune(checkpoint: Path, data: list[dict], lr: float, steps: int, batch: i
     trainer.train()
     seconds = time.perf_counter() - start
     trained_dtype = str(next(iter(tables.values())).weight.dtype).removeprefix("torch.")
-    moved, kept_by_save = [], []
-    for key, table in tables.items():
-        after = table.weight[touched].float()
-        moved.append((after != before[key]).float().mean().item())
-        # What a save in config.table_dtype (bf16) keeps of the update.
-        saved = after.to(getattr(torch, model.config.table_dtype)).float()
-        kept_by_save.append((saved != before[key]).float().mean().item())
+    with tempfile.TemporaryDirectory() as saved_dir:
+        model.save_pretrained(saved_dir)  # the default save: in config.table_dtype, float32 once train() upcast
+        saved = StemForCausalLM.from_pretrained(saved_dir).model.stem_tables
+        moved, kept_by_save, kept_by_bf16 = [], [], []
+        for key, table in tables.items():
+            after = table.weight[touched].float()
+            moved.append((after != before[key]).float().mean().item())
+            kept_by_save.append((saved[key].weight[touched].float() != before[key]).float().mean().item())
+            # What a save in bf16 (set_table_dtype("bfloat16") first) would keep of the update.
+            kept_by_bf16.append((after.bfloat16().float() != before[key]).float().mean().item())
+        del saved
     return {
         "lr": lr,
         "tables_trained_in": trained_dtype,
+        "saved_table_dtype": model.config.table_dtype,
         "touched_values_changed": sum(moved) / len(moved),
-        "touched_values_changed_after_bf16_save": sum(kept_by_save) / len(kept_by_save),
+        "touched_values_changed_after_default_save": sum(kept_by_save) / len(kept_by_save),
+        "touched_values_changed_if_saved_in_bf16": sum(kept_by_bf16) / len(kept_by_bf16),
         "losses": [round(e["loss"], 4) for e in trainer.state.log_history if "loss" in e],
         "train_seconds": round(seconds, 1),
     }

@@ -37,7 +37,7 @@ def _tokenizer(args: argparse.Namespace, vocab_size: int, text: str | None):
     if args.tokenizer is not None:
         check_local(args.tokenizer)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
         except (OSError, ValueError, TypeError) as error:
             raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer loads from it ({error})") from error
         if len(tokenizer) > vocab_size:
@@ -48,7 +48,7 @@ def _tokenizer(args: argparse.Namespace, vocab_size: int, text: str | None):
         return tokenizer
     path, extra = _split_gguf(args.source)
     try:
-        return AutoTokenizer.from_pretrained(path, **extra)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **extra)
     except (OSError, ValueError, TypeError) as error:
         if text is None:
             return None

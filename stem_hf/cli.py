@@ -230,7 +230,7 @@ def _load_tokenizer(checkpoint: str):
     from .accounting import check_stem
 
     check_stem(checkpoint)
-    return AutoTokenizer.from_pretrained(checkpoint)
+    return AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
 
 
 def _load_model(checkpoint: str):

@@ -155,10 +155,13 @@ class StemConfig(PreTrainedConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: {value!r} must be a positive integer")
-        pad = self.pad_token_id  # the embedding's padding_idx: torch refuses one outside the vocabulary
-        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < self.vocab_size):
+        pad = self.pad_token_id  # the embedding's padding_idx: torch takes -vocab_size..vocab_size-1, as Python indexes
+        if pad is not None and (
+            isinstance(pad, bool) or not isinstance(pad, int) or not -self.vocab_size <= pad < self.vocab_size
+        ):
             raise ValueError(
-                f"pad_token_id: {pad!r} is not a token id in the vocabulary [0, {self.vocab_size}) or None"
+                f"pad_token_id: {pad!r} is neither a token id in the vocabulary [0, {self.vocab_size}), a negative "
+                "index into it (as torch takes), nor None"
             )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads

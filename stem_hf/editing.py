@@ -192,6 +192,7 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
                     f"of both {wanted[source]} and {target}; one table row cannot hold both (apply the edit per call "
                     "with StemEditor, or use strategy='mean')"
                 )
+    model.stem_save_id = None  # the tables no longer hold the loaded checkpoint's rows
     for table in model.base_model.stem_tables.values():
         weight = table.weight
         if edit.strategy == "mean":

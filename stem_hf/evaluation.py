@@ -7,6 +7,7 @@ The shipped offline tasks (`stem_facts`, `stem_complete`, `stem_prose`, grouped 
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def load_for_eval(
     if not stem and not tables_on_cpu:
         raise ValueError(f"tables_on_cpu: {checkpoint} is a {model_type!r} model, which has no STEM tables")
     try:  # before the weights: a missing tokenizer is found in a second, not after the model has loaded
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"{checkpoint} has no tokenizer that loads without running its own code, which lm-eval needs: save one "
@@ -155,13 +156,17 @@ def _jsonable(value):
 
 
 def _merge_into(path: Path, results: dict, save_id: str | None = None) -> None:
-    """Merges `results` into the JSON file at `path`, recording `save_id`. Results recorded for other weights (another
-    save id, or none) are replaced, not merged: the file would otherwise claim them for these."""
+    """Merges `results` into the JSON file at `path`, recording `save_id`. A file that records other weights (another
+    save id) is not merged into, which would claim its results for these, nor deleted: it is renamed aside first."""
     merged = json.loads(path.read_text()) if path.is_file() else {}
     if merged and merged.get(SAVE_ID_KEY) != save_id:
+        aside = path.with_name(
+            f"{path.stem}.{merged.get(SAVE_ID_KEY) or 'unsaved'}-{time.strftime('%Y%m%d%H%M%S')}.json"
+        )
+        os.replace(path, aside)
         logger.warning(
-            f"{path}: replacing the results of {', '.join(merged.get('results', {})) or 'no task'}, which describe "
-            "other weights than the ones just evaluated"
+            f"{path}: the results of {', '.join(merged.get('results', {})) or 'no task'} there describe other weights "
+            f"than the ones just evaluated; moved to {aside.name}"
         )
         merged = {}
     if save_id is not None:

@@ -315,24 +315,33 @@ class StemSoftPromptRows:
         return nn.functional.pad(self.rows[layer_idx], (0, 0, self.num_soft, 0))
 
 
-_DECAY_HOOK = None  # the handle of `_warn_if_tables_decay`, registered at most once per process
+_OPTIMIZER_HOOK = None  # the handle of `_check_optimizer`, registered at most once per process
 
 
-def _warn_if_tables_decay(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook (process-wide, added once a table trains): warns once per optimizer that decays a table.
-    A plain `Trainer` decays every matrix but norms and biases, and decoupled decay shrinks every row at each step,
-    whether its token was in the batch or not; no model-side setting can change Trainer's groups."""
-    if getattr(optimizer, "_stem_decay_checked", False):
-        return
-    optimizer._stem_decay_checked = True
-    for group in optimizer.param_groups:
-        if group.get("weight_decay") and any(getattr(p, "_stem_table", False) for p in group["params"]):
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
+    table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
+    Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
+    decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
+    Trainer's groups."""
+    tables = getattr(optimizer, "_stem_tables", None)
+    if tables is None:
+        tables = optimizer._stem_tables = [
+            (group, p) for group in optimizer.param_groups for p in group["params"] if getattr(p, "_stem_table", False)
+        ]
+        decayed = next((group for group, _ in tables if group.get("weight_decay")), None)
+        if decayed is not None:
             logger.warning(
-                f"{type(optimizer).__name__} applies weight_decay={group['weight_decay']} to STEM tables: every row "
+                f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "
                 "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
                 "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
             )
-            return
+    for _, param in tables:
+        state = optimizer.state.get(param, {})
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point() and value.shape == param.shape:
+                if value.dtype != param.dtype:
+                    state[key] = value.to(param.dtype)
 
 
 class StemTables(nn.ModuleDict):
@@ -341,9 +350,9 @@ class StemTables(nn.ModuleDict):
     Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
     accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
 
-    Trainable tables train in float32: `train()` casts them in memory (`upcast_trainable`; set `upcast_for_training`
-    to False to keep them as stored). A bf16 value moves only by steps of 1/256 of its size, so fine-tuning updates
-    would round away. Saves still write `config.table_dtype`.
+    Trainable tables train in float32: `train()` casts them (`upcast_trainable`; set `upcast_for_training` to False to
+    keep them as stored) and sets `config.table_dtype` to float32, so that saves keep every update. A bf16 value moves
+    only by steps of 1/256 of its size: fine-tuning updates would round away in training and again at save time.
     """
 
     upcast_for_training: bool = True
@@ -365,8 +374,8 @@ class StemTables(nn.ModuleDict):
             if low:
                 logger.warning_once(
                     f"training STEM tables in {', '.join(sorted(low))}: updates smaller than 1/256 of a value are lost "
-                    "to rounding. Call model.base_model.stem_tables.upcast_trainable() (train() does, before any "
-                    "DDP/FSDP wrapping) to train them in float32"
+                    "to rounding. Call model.base_model.stem_tables.upcast_trainable() before wrapping the model for "
+                    "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
                 )
         return StemTableRows(self, stem_input_ids)
 
@@ -375,35 +384,41 @@ class StemTables(nn.ModuleDict):
         if mode:
             trainable = [t.weight for t in self.values() if t.weight.requires_grad]
             for weight in trainable:
-                weight._stem_table = True  # lets `_warn_if_tables_decay` tell tables from other matrices
-            global _DECAY_HOOK
-            if trainable and _DECAY_HOOK is None:
-                _DECAY_HOOK = register_optimizer_step_pre_hook(_warn_if_tables_decay)
-            if self.upcast_for_training:
+                weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
+            global _OPTIMIZER_HOOK
+            if trainable and _OPTIMIZER_HOOK is None:
+                _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+            # A model wrapped for DDP/FSDP cannot change a parameter's dtype: there, upcast_trainable() is the
+            # caller's, before wrapping, and the forward warns.
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if self.upcast_for_training and not distributed:
                 self.upcast_trainable()
         return self
 
     def upcast_trainable(self) -> list[str]:
-        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is) and
-        returns their layer keys. Under DDP or FSDP, call it before wrapping the model: a wrapped model's parameters
-        cannot change dtype, so once torch.distributed is initialized `train()` leaves them and warns instead."""
+        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is),
+        records float32 in `config.table_dtype` (what saves write: `model.set_table_dtype("bfloat16")` stores bf16
+        again), and returns their layer keys. Sharded (DTensor) tables are left as they are."""
         keys = [
             k
             for k, t in self.items()
-            if t.weight.requires_grad and t.weight.dtype != torch.float32 and t.weight.device.type != "meta"
+            if t.weight.requires_grad
+            and t.weight.dtype != torch.float32
+            and t.weight.device.type != "meta"
+            and type(t.weight).__name__ != "DTensor"
         ]
         if not keys:
             return []
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed or any(type(self[k].weight).__name__ == "DTensor" for k in keys):
-            return []  # the forward's warning says what to do
+        stored = self.config.table_dtype
         for key in keys:
             self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
+        self.config.table_dtype = "float32"
         logger.warning_once(
-            f"STEM tables {keys} train in float32: cast from {self.config.table_dtype} in memory "
-            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); saves still write "
-            f"{self.config.table_dtype}. Freeze them (requires_grad_(False)) or set "
-            "model.base_model.stem_tables.upcast_for_training = False to keep them as stored"
+            f"STEM tables {keys} train in float32: cast from {stored} in memory "
+            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB), and config.table_dtype is now "
+            f"float32, so saves keep every update (model.set_table_dtype('{stored}') stores them as before). Freeze "
+            "them (requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them "
+            "as stored"
         )
         return keys
 
@@ -753,6 +768,13 @@ class StemPreTrainedModel(PreTrainedModel):
                 commit_description=commit_description,
             )
 
+    def train(self, mode: bool = True) -> "StemPreTrainedModel":
+        """`nn.Module.train`. A model put in training mode stops vouching for the checkpoint it was loaded from: its
+        `stem_save_id` is cleared, so results evaluated afterwards are not filed under that checkpoint's weights."""
+        if mode:
+            self.stem_save_id = None
+        return super().train(mode)
+
     def set_table_dtype(self, dtype: torch.dtype | str) -> None:
         """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""
         name = str(dtype).removeprefix("torch.")
@@ -936,6 +958,12 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"generate(inputs_embeds=...): this model's STEM layers {self.config.stem_layers} look up table rows "
                 "by token id; pass `stem_input_ids` (batch_size, prompt_length) with the prompt's token ids"
+            )
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if stem_input_ids is not None and embeds is not None and ids is not None and ids.numel():
+            raise ValueError(
+                "generate: with stem_input_ids, give the prompt as input_ids or as inputs_embeds, not both (which of "
+                "them the tables should follow would be ambiguous)"
             )
         # An assistant model's generate runs again on the prompt plus the tokens accepted so far.
         assisting = getattr(kwargs.get("generation_config"), "is_assistant", False)

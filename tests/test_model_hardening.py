@@ -2,6 +2,7 @@
 (`generate(inputs_embeds=...)`, assisted and chunked generation, PEFT prompt tuning, torch.compile, tensor
 parallelism) work or fail clearly; trained tables do not lose their updates to bf16 rounding."""
 
+import copy
 import json
 import os
 import subprocess
@@ -42,8 +43,8 @@ def greedy(model, n: int = 6, **kwargs) -> torch.Tensor:
         ({"vocab_size": "96"}, "vocab_size: '96' must be a positive integer"),
         ({"intermediate_size": -64}, "intermediate_size: -64 must be a positive integer"),
         ({"intermediate_size": 64.0}, "intermediate_size: 64.0 must be a positive integer"),
-        ({"pad_token_id": 96}, r"pad_token_id: 96 is not a token id in the vocabulary \[0, 96\)"),
-        ({"pad_token_id": -1}, "pad_token_id: -1 is not a token id"),
+        ({"pad_token_id": 96}, r"pad_token_id: 96 is neither a token id in the vocabulary \[0, 96\)"),
+        ({"pad_token_id": -97}, "pad_token_id: -97 is neither a token id"),
     ],
 )
 def test_bad_config_values_are_named(overrides, message):
@@ -84,6 +85,8 @@ def test_generate_takes_inputs_embeds_with_stem_ids_and_says_what_is_missing_wit
     assert torch.equal(from_embeds, from_ids[:, IDS.shape[1] :])  # generate returns only new tokens for embeds
     with pytest.raises(ValueError, match=r"generate\(inputs_embeds=...\).*pass `stem_input_ids`"):
         greedy(model, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match="give the prompt as input_ids or as inputs_embeds, not both"):
+        greedy(model, input_ids=IDS, inputs_embeds=embeds, stem_input_ids=EDITED)
 
 
 def test_assisted_and_chunked_generation_keep_each_position_on_its_own_row():
@@ -106,17 +109,19 @@ def test_peft_prompt_tuning_trains_and_generates_with_soft_prompts_on_zero_rows(
     prompt_grad = peft_model.prompt_encoder["default"].embedding.weight.grad
     assert torch.isfinite(out.loss) and prompt_grad is not None and prompt_grad.abs().sum() > 0
 
-    # The same forward by hand: soft prompts first, their STEM rows zero, the text's ids after them.
+    # The same forward on a copy where token 95 (not in the text) has zero rows, looked up at the soft positions: an
+    # equal-length lookup that does not go through the soft-prompt path.
+    reference = copy.deepcopy(model)
+    for table in reference.model.stem_tables.values():
+        table.weight.data[95] = 0
     soft = peft_model.get_prompt(batch_size=1).detach()
     embeds = torch.cat([soft, model.get_input_embeddings()(IDS)], dim=1)
+    pad = torch.full((1, 3), 95)
     with torch.no_grad():
-        by_hand = model(inputs_embeds=embeds, stem_input_ids=IDS).logits
-        zero_rows = {}
-        for layer in model.config.stem_layers:
-            mlp = model.model.layers[layer].mlp
-            zero_rows[layer] = mlp.down_proj(mlp.act_fn(mlp.gate_proj(torch.zeros(1, 32))) * 0)
-    assert all(r.abs().max() == 0 for r in zero_rows.values())  # a zero row adds nothing (no MLP bias)
+        by_hand = reference(inputs_embeds=embeds, stem_input_ids=torch.cat([pad, IDS], 1)).logits
+        at_the_end = reference(inputs_embeds=embeds, stem_input_ids=torch.cat([IDS, pad], 1)).logits
     assert torch.allclose(out.logits.detach(), by_hand, atol=1e-5)
+    assert not torch.allclose(out.logits.detach(), at_the_end, atol=1e-3)  # zero rows at the wrong end would show
     generated = peft_model.generate(input_ids=IDS, max_new_tokens=1, do_sample=False)
     assert generated[0, -1] == by_hand[0, -1].argmax()
 
@@ -199,7 +204,7 @@ def _touched_fraction_changed(model, steps: int = 3, lr: float = 1e-5) -> float:
     return float(sum(moved) / len(moved))
 
 
-def test_a_plain_trainer_fine_tunes_bf16_tables_in_float32_and_saves_them_as_stored(tmp_path, caplog):
+def test_a_plain_trainer_fine_tunes_bf16_tables_in_float32_and_saves_every_update(tmp_path):
     model = tiny_model(table_dtype="bfloat16")
     torch.nn.init.normal_(model.model.stem_tables["1"].weight, std=1.0)  # values whose bf16 spacing dwarfs 1e-5 steps
     torch.nn.init.normal_(model.model.stem_tables["3"].weight, std=1.0)
@@ -208,16 +213,11 @@ def test_a_plain_trainer_fine_tunes_bf16_tables_in_float32_and_saves_them_as_sto
     assert loaded.model.stem_tables["1"].weight.dtype == torch.bfloat16
     assert _touched_fraction_changed(loaded) > 0.9
     assert loaded.model.stem_tables["1"].weight.dtype == torch.float32
-    from transformers.utils import logging
-
-    logging.get_logger("stem_hf.modeling_stem").warning_once.cache_clear()
-    with caplog.at_level("WARNING"):
-        loaded.save_pretrained(tmp_path / "tuned")
-    assert (
-        "tables held in float32 (trained: train() upcasts them) are saved in config.table_dtype bfloat16" in caplog.text
-    )
+    assert loaded.config.table_dtype == "float32"  # so that the save keeps every update
+    loaded.save_pretrained(tmp_path / "tuned")
     reread = StemForCausalLM.from_pretrained(tmp_path / "tuned")
-    assert reread.config.table_dtype == "bfloat16" and reread.model.stem_tables["1"].weight.dtype == torch.bfloat16
+    assert reread.model.stem_tables["1"].weight.dtype == torch.float32
+    assert torch.equal(reread.model.stem_tables["1"].weight, loaded.model.stem_tables["1"].weight)
 
     kept = StemForCausalLM.from_pretrained(tmp_path / "ck")
     kept.model.stem_tables.upcast_for_training = False  # the old path: tables trained as stored
@@ -250,12 +250,39 @@ def test_an_optimizer_that_decays_tables_is_named_once(caplog):
     assert caplog.text.count("applies weight_decay=0.1 to STEM tables") == 1
 
 
-def test_a_plain_trainer_with_default_arguments_decays_no_table():
-    model = tiny_model(table_dtype="float32")
-    trainer = Trainer(model=model, args=TrainingArguments(output_dir="/tmp/unused", report_to=[]))
-    groups = trainer.create_optimizer().param_groups
-    tables = {id(t.weight) for t in model.model.stem_tables.values()}
-    assert all(g["weight_decay"] == 0.0 for g in groups if tables & {id(p) for p in g["params"]})
+def test_a_plain_trainer_resumes_a_bf16_checkpoint_whose_tables_it_upcast(tmp_path):
+    tiny_model(table_dtype="bfloat16").save_pretrained(tmp_path / "ck")
+    data = [{"input_ids": IDS[0], "labels": IDS[0]}] * 4
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=1, max_steps=2, report_to=[], save_steps=2
+    )
+    Trainer(model=StemForCausalLM.from_pretrained(tmp_path / "ck"), args=args, train_dataset=data).train()
+    args.max_steps = 4  # the optimizer state comes back before train() upcasts the tables
+    resumed = Trainer(model=StemForCausalLM.from_pretrained(tmp_path / "ck"), args=args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+
+
+def test_under_torch_distributed_train_leaves_tables_and_upcast_trainable_casts_them(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_model(table_dtype="bfloat16").train()
+        assert model.model.stem_tables["1"].weight.dtype == torch.bfloat16  # a wrapped model could not change it
+        assert model.model.stem_tables.upcast_trainable() == ["1", "3"]  # before wrapping: the caller's call
+        assert model.model.stem_tables["1"].weight.dtype == torch.float32
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_training_or_editing_unties_a_model_from_its_checkpoint(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    model = StemForCausalLM.from_pretrained(tmp_path)
+    assert model.stem_save_id
+    model.train()
+    assert model.stem_save_id is None
+    edited = StemForCausalLM.from_pretrained(tmp_path)
+    persist_edit(edited, StemEdit((10,), (11,)))
+    assert edited.stem_save_id is None
 
 
 class WordTokenizer:

@@ -306,6 +306,8 @@ def test_evaluation_results_are_tied_to_the_checkpoint_evaluated(tmp_path, caplo
     results = json.loads((folder / RESULTS_FILE).read_text())
     assert results["stem_save_id"] == _index(folder)["metadata"]["stem_save_id"]
     assert results["n-samples"]["stem_facts"]["effective"] == 1
+    aside = [p for p in folder.iterdir() if p.name.startswith("lm_eval_results.") and p.name != RESULTS_FILE]
+    assert len(aside) == 1 and json.loads(aside[0].read_text())["n-samples"]["stem_facts"]["effective"] == 2  # kept
 
 
 def test_push_to_hub_uploads_only_provenance_of_the_weights_it_pushes(tmp_path):
