@@ -245,11 +245,16 @@ def _converted_from(checkpoint: str) -> str | None:
     path = os.path.join(checkpoint, "conversion_report.json")
     if not os.path.isfile(path):
         return None
+    from .storage_stem import provenance_matches
+
     try:
         with open(path) as f:
-            source = json.load(f).get("source")
+            report = json.load(f)
+        source = report.get("source")
     except (json.JSONDecodeError, AttributeError) as error:
         raise ValueError(f"{path}: not a conversion report ({error}); name the dense source with --dense") from error
+    if not provenance_matches(report, checkpoint):
+        return None  # the report of weights saved over since: its source is not this model's
     # A relative path is as convert was given it: resolved from the current directory, as `--dense` would be.
     return source if isinstance(source, str) and os.path.exists(source) else None
 

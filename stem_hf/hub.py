@@ -7,8 +7,9 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from .accounting import load_config
-from .model_card import MARKER, write_model_card
-from .storage_stem import check_checkpoint_files
+from .evaluation import RESULTS_FILE
+from .model_card import MARKER, REPORT_FILE, write_model_card
+from .storage_stem import check_checkpoint_files, stale_provenance
 
 # Hidden files (leftovers of an interrupted save, editor files) and temporary files never go up.
 IGNORE = [".*", "*.tmp"]
@@ -38,7 +39,8 @@ def push_checkpoint(
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    ignore = list(IGNORE)
+    # Provenance of weights saved over since describes other weights: it stays in the folder, not on the Hub.
+    ignore = [*IGNORE, *stale_provenance(folder, (REPORT_FILE, RESULTS_FILE))]
     if api.file_exists(repo_id, "README.md", revision=revision):
         card = Path(api.hf_hub_download(repo_id, "README.md", revision=revision)).read_text(encoding="utf-8")
         if MARKER not in card:  # a person wrote or edited the card on the Hub: keep it, as push_to_hub does

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers.modeling_utils import safe_save_file
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, logging
+from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, logging
 from transformers.utils.hub import convert_file_size_to_int
 
 logger = logging.get_logger(__name__)
@@ -201,6 +201,12 @@ def check_checkpoint_files(
             files.setdefault(file, []).append(name)
     else:
         return None
+    config_id = _config_save_id(folder)
+    if config_id is not None and config_id not in _folder_save_ids(folder):
+        raise ValueError(
+            f"incomplete save: {os.path.join(folder, CONFIG_NAME)} belongs to another save (stem_save_id {config_id}) "
+            f"than any index in {folder}: a save into it was interrupted between its renames; re-run save_pretrained"
+        )
     found_tables = set()
     for file, names in files.items():
         path = os.path.join(folder, file)
@@ -247,6 +253,16 @@ def check_checkpoint_files(
             f".weight); STEM layers without a table: {missing}"
         )
     return save_id
+
+
+def _config_save_id(folder: str | os.PathLike) -> str | None:
+    path = os.path.join(folder, CONFIG_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # no config, or one transformers will report
+        return None
+    return config.get(SAVE_ID_KEY) if isinstance(config, dict) else None
 
 
 def read_save_id(folder: str | os.PathLike, variant: str | None = None) -> str | None:
@@ -382,6 +398,15 @@ def finish_checkpoint(
     # copied once more, within the staging folder, which is what telling a torn save apart at load costs.
     for file in set(weight_map.values()):
         stamp_safetensors(os.path.join(folder, file), {SAVE_ID_KEY: save_id})
+    # The config too: a commit killed after config.json went in, under an old index whose files the new save does not
+    # replace (other shard names), would otherwise pair the new config with the old weights.
+    config_path = os.path.join(folder, CONFIG_NAME)
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        config[SAVE_ID_KEY] = save_id
+        with open(config_path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weight_map.update(save_tables(tables, folder, dtype, max_shard_size, save_id, variant))
     total_size = 0
     for file in set(weight_map.values()):

@@ -169,7 +169,7 @@ def test_a_save_killed_between_any_two_renames_is_refused_at_load_never_loaded_a
 
 @pytest.mark.parametrize(
     ("from_other_save", "named"),
-    [((TABLES,), TABLES), ((TABLES, DENSE), DENSE), ((INDEX,), DENSE)],
+    [((TABLES,), TABLES), ((TABLES, DENSE), DENSE), ((INDEX,), "config.json")],
 )
 def test_files_from_two_saves_are_refused_as_an_incomplete_save(saved, tmp_path, from_other_save, named):
     model, folder = saved
@@ -188,6 +188,9 @@ def test_checkpoints_saved_before_save_ids_load_and_one_stamped_file_among_them_
     index = _index(folder)
     del index["metadata"]["stem_save_id"]
     (folder / INDEX).write_text(json.dumps(index))
+    config = json.loads((folder / "config.json").read_text())
+    del config["stem_save_id"]
+    (folder / "config.json").write_text(json.dumps(config))
     stamped = {}
     for name in (DENSE, TABLES):
         header, body = _read_raw(folder / name)
@@ -353,3 +356,50 @@ def test_a_variant_saves_beside_the_default_weights_and_loads_with_the_same_outp
     with pytest.raises(FileNotFoundError, match=r"stem-tables.fp16-00001-of-00001.safetensors is missing"):
         StemForCausalLM.from_pretrained(folder, variant="fp16")
     assert _same(_state(StemForCausalLM.from_pretrained(folder)), _state(model))
+
+
+def test_a_save_killed_after_its_config_under_an_index_it_shares_no_file_with_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    tiny_model().save_pretrained(folder)  # one dense shard, one table shard
+    new = tiny_model(rope_parameters={"rope_type": "default", "rope_theta": 500.0})  # same shapes, another config
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if os.fspath(dst) == str(folder / "model.safetensors.index.json"):
+            raise KeyboardInterrupt("killed before the index")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        new.save_pretrained(folder, max_shard_size="8KB")  # every weight file named apart from the old ones
+    monkeypatch.undo()
+    assert json.loads((folder / "config.json").read_text())["rope_parameters"]["rope_theta"] == 500.0
+    with pytest.raises(ValueError, match=r"incomplete save: .*config.json belongs to another save"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+def test_stem_hf_push_and_analyze_leave_out_provenance_of_weights_saved_over(tmp_path):
+    from stem_hf.cli import _converted_from
+
+    folder = tmp_path / "ckpt"
+    tiny_model(vocab_size=BYTE_VOCAB).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    report = {"source": str(dense), "init": "xavier", "stem_save_id": _index(folder)["metadata"]["stem_save_id"]}
+    (folder / REPORT).write_text(json.dumps(report))
+    assert _converted_from(str(folder)) == str(dense)
+    tiny_model(vocab_size=BYTE_VOCAB).save_pretrained(folder)  # other weights: the report no longer describes them
+    assert _converted_from(str(folder)) is None
+    code = f"""
+        from stem_hf.hub import push_checkpoint
+        push_checkpoint({str(folder)!r}, "user/pushed")
+    """
+    with fake_hub(lifetime=300) as (endpoint, state):
+        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        files = state.repos["user/pushed"]
+    assert INDEX in files and REPORT not in files
+    assert (folder / REPORT).is_file()  # kept in the folder
