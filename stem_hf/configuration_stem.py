@@ -151,6 +151,9 @@ class StemConfig(PreTrainedConfig):
     keep_tables_on_cpu: bool = True
 
     def __post_init__(self, **kwargs):
+        # The save id stamped into config.json belongs to that file, not to the config: a config saved again as it is
+        # must not claim the old save's id.
+        kwargs.pop("stem_save_id", None)
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

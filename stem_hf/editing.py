@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .storage_stem import unsaved_id
+
 STRATEGIES = ("pad", "subset", "mean")
 
 
@@ -192,7 +194,7 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
                     f"of both {wanted[source]} and {target}; one table row cannot hold both (apply the edit per call "
                     "with StemEditor, or use strategy='mean')"
                 )
-    model.stem_save_id = None  # the tables no longer hold the loaded checkpoint's rows
+    model.stem_save_id = unsaved_id()  # the tables no longer hold the loaded or saved checkpoint's rows
     for table in model.base_model.stem_tables.values():
         weight = table.weight
         if edit.strategy == "mean":

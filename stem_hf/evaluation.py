@@ -7,6 +7,7 @@ The shipped offline tasks (`stem_facts`, `stem_complete`, `stem_prose`, grouped 
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -87,7 +88,8 @@ def evaluate(
     Returns lm-eval's results (`results`, `groups`, `configs`, `n-samples`, ...). With `output`, they are also merged
     into that JSON file (a task evaluated again replaces its earlier entry) by an atomic write, with the save id of the
     checkpoint the model was loaded from (`stem_save_id`), so that the model card drops them once another save replaces
-    those weights; results the file holds for other weights are replaced, not merged.
+    those weights; a file that holds results of other weights is renamed aside (`lm_eval_results.<id>-<time>.json`),
+    not merged into.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -160,9 +162,12 @@ def _merge_into(path: Path, results: dict, save_id: str | None = None) -> None:
     save id) is not merged into, which would claim its results for these, nor deleted: it is renamed aside first."""
     merged = json.loads(path.read_text()) if path.is_file() else {}
     if merged and merged.get(SAVE_ID_KEY) != save_id:
-        aside = path.with_name(
-            f"{path.stem}.{merged.get(SAVE_ID_KEY) or 'unsaved'}-{time.strftime('%Y%m%d%H%M%S')}.json"
-        )
+        old_id = re.sub(r"[^0-9A-Za-z_-]", "_", str(merged.get(SAVE_ID_KEY) or "no-id"))[:48]
+        aside = path.with_name(f"{path.stem}.{old_id}-{time.strftime('%Y%m%d%H%M%S')}.json")
+        n = 1
+        while aside.exists():  # never over an earlier set-aside file
+            aside = path.with_name(f"{path.stem}.{old_id}-{time.strftime('%Y%m%d%H%M%S')}-{n}.json")
+            n += 1
         os.replace(path, aside)
         logger.warning(
             f"{path}: the results of {', '.join(merged.get('results', {})) or 'no task'} there describe other weights "

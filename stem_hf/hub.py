@@ -11,8 +11,8 @@ from .evaluation import RESULTS_FILE
 from .model_card import MARKER, REPORT_FILE, write_model_card
 from .storage_stem import check_checkpoint_files, stale_provenance
 
-# Hidden files (leftovers of an interrupted save, editor files) and temporary files never go up.
-IGNORE = [".*", "*.tmp"]
+# Hidden files, temporary files and evaluation results set aside for other weights never go up.
+IGNORE = [".*", "*.tmp", "lm_eval_results.*.json"]
 WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json", "*.bin"]
 
 
@@ -40,7 +40,8 @@ def push_checkpoint(
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     # Provenance of weights saved over since describes other weights: it stays in the folder, not on the Hub.
-    ignore = [*IGNORE, *stale_provenance(folder, (REPORT_FILE, RESULTS_FILE))]
+    stale = stale_provenance(folder, (REPORT_FILE, RESULTS_FILE))
+    ignore = [*IGNORE, *stale]
     if api.file_exists(repo_id, "README.md", revision=revision):
         card = Path(api.hf_hub_download(repo_id, "README.md", revision=revision)).read_text(encoding="utf-8")
         if MARKER not in card:  # a person wrote or edited the card on the Hub: keep it, as push_to_hub does
@@ -52,7 +53,7 @@ def push_checkpoint(
         commit_message=commit_message or f"Upload STEM checkpoint {folder.resolve().name}",
         ignore_patterns=ignore,
         # Weight files of an earlier push that this checkpoint no longer has (fewer shards) would be orphans.
-        delete_patterns=WEIGHT_FILES,
+        delete_patterns=[*WEIGHT_FILES, *stale],  # stale provenance an earlier push put up goes too
     )
     return commit.commit_url
 

@@ -45,6 +45,7 @@ from .storage_stem import (
     read_save_id,
     staged_folder,
     stale_provenance,
+    unsaved_id,
 )
 
 logger = logging.get_logger(__name__)
@@ -337,11 +338,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
             )
     for _, param in tables:
+        if param.dtype != torch.float32:
+            continue  # only an upcast table needs its state raised; optimizers may keep fp32 state on purpose
         state = optimizer.state.get(param, {})
         for key, value in state.items():
-            if torch.is_tensor(value) and value.is_floating_point() and value.shape == param.shape:
-                if value.dtype != param.dtype:
-                    state[key] = value.to(param.dtype)
+            if torch.is_tensor(value) and value.dtype in (torch.bfloat16, torch.float16) and value.shape == param.shape:
+                state[key] = value.float()
 
 
 class StemTables(nn.ModuleDict):
@@ -412,13 +414,16 @@ class StemTables(nn.ModuleDict):
         stored = self.config.table_dtype
         for key in keys:
             self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
-        self.config.table_dtype = "float32"
+        # Saves follow the config: float32 once every table is, so the updates are kept; with frozen tables still in
+        # their stored dtype, the config stays and the save warns that it rounds the trained ones.
+        if all(t.weight.dtype == torch.float32 for t in self.values()):
+            self.config.table_dtype = "float32"
         logger.warning_once(
             f"STEM tables {keys} train in float32: cast from {stored} in memory "
-            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB), and config.table_dtype is now "
-            f"float32, so saves keep every update (model.set_table_dtype('{stored}') stores them as before). Freeze "
-            "them (requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them "
-            "as stored"
+            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); config.table_dtype is "
+            f"{self.config.table_dtype} (model.set_table_dtype chooses what saves write). Freeze them "
+            "(requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them as "
+            "stored"
         )
         return keys
 
@@ -671,7 +676,8 @@ class StemPreTrainedModel(PreTrainedModel):
         with staged_folder(save_directory, variant) as staging:
             super().save_pretrained(staging, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
             dtype = getattr(torch, self.config.table_dtype)
-            finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters(), variant)
+            save_id = finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters(), variant)
+        self.stem_save_id = save_id  # the weights in memory are now those of this save
         stale = stale_provenance(save_directory, _PROVENANCE_FILES)
         if stale:
             logger.warning(
@@ -724,6 +730,7 @@ class StemPreTrainedModel(PreTrainedModel):
                 path = api.hf_hub_download(repo_id, name, revision=revision, token=token, local_dir=root)
                 shutil.copy(path, os.path.join(tmp, name))
 
+            loaded_id = getattr(self, "stem_save_id", None)  # the save gives the model the pushed files' id
             self.save_pretrained(tmp, max_shard_size=max_shard_size)
             # The card also describes how the model was made and evaluated: take those files from the folder the model
             # was loaded from, else keep the repo's, so that a refreshed card never says less than the one it replaces.
@@ -742,7 +749,7 @@ class StemPreTrainedModel(PreTrainedModel):
                         record = None
                     if not isinstance(record, dict) or record.get(SAVE_ID_KEY) is None:
                         shutil.copy(local, os.path.join(tmp, name))  # tied to no save
-                    elif record[SAVE_ID_KEY] != getattr(self, "stem_save_id", None):
+                    elif record[SAVE_ID_KEY] != loaded_id:
                         logger.warning(
                             f"{local} describes other weights than the ones this model was loaded from: not pushed"
                         )
@@ -770,9 +777,10 @@ class StemPreTrainedModel(PreTrainedModel):
 
     def train(self, mode: bool = True) -> "StemPreTrainedModel":
         """`nn.Module.train`. A model put in training mode stops vouching for the checkpoint it was loaded from: its
-        `stem_save_id` is cleared, so results evaluated afterwards are not filed under that checkpoint's weights."""
+        `stem_save_id` becomes an id no save has, so results evaluated afterwards are filed under no checkpoint's
+        weights (until `save_pretrained` gives it the id of what it wrote)."""
         if mode:
-            self.stem_save_id = None
+            self.stem_save_id = unsaved_id()
         return super().train(mode)
 
     def set_table_dtype(self, dtype: torch.dtype | str) -> None:

@@ -205,7 +205,8 @@ def check_checkpoint_files(
     if config_id is not None and config_id not in _folder_save_ids(folder):
         raise ValueError(
             f"incomplete save: {os.path.join(folder, CONFIG_NAME)} belongs to another save (stem_save_id {config_id}) "
-            f"than any index in {folder}: a save into it was interrupted between its renames; re-run save_pretrained"
+            f"than any index in {folder}: a save into it was interrupted between its renames, or the config was copied "
+            f"from another checkpoint; re-run save_pretrained (or remove {SAVE_ID_KEY} from a config you copied)"
         )
     found_tables = set()
     for file, names in files.items():
@@ -263,6 +264,12 @@ def _config_save_id(folder: str | os.PathLike) -> str | None:
     except (OSError, ValueError):  # no config, or one transformers will report
         return None
     return config.get(SAVE_ID_KEY) if isinstance(config, dict) else None
+
+
+def unsaved_id() -> str:
+    """A save id no save has: what a model whose weights changed since its last load or save carries, so that results
+    evaluated on it are tied to no checkpoint (a record without any id would count as tied to every one)."""
+    return f"unsaved-{uuid.uuid4().hex}"
 
 
 def read_save_id(folder: str | os.PathLike, variant: str | None = None) -> str | None:
@@ -573,6 +580,7 @@ __all__ = [
     "SAVE_ID_KEY",
     "stale_provenance",
     "staged_folder",
+    "unsaved_id",
     "stamp_safetensors",
     "TABLE_KEY",
     "variant_name",

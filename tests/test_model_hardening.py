@@ -274,15 +274,64 @@ def test_under_torch_distributed_train_leaves_tables_and_upcast_trainable_casts_
         torch.distributed.destroy_process_group()
 
 
-def test_training_or_editing_unties_a_model_from_its_checkpoint(tmp_path):
+def test_training_or_editing_unties_a_model_from_its_checkpoint_and_a_save_ties_it_again(tmp_path):
+    from stem_hf.storage_stem import provenance_matches, read_save_id
+
     tiny_model().save_pretrained(tmp_path)
     model = StemForCausalLM.from_pretrained(tmp_path)
-    assert model.stem_save_id
+    assert model.stem_save_id == read_save_id(tmp_path)
     model.train()
-    assert model.stem_save_id is None
+    assert not provenance_matches({"stem_save_id": model.stem_save_id}, tmp_path)  # results of it quote no checkpoint
     edited = StemForCausalLM.from_pretrained(tmp_path)
     persist_edit(edited, StemEdit((10,), (11,)))
-    assert edited.stem_save_id is None
+    assert not provenance_matches({"stem_save_id": edited.stem_save_id}, tmp_path)
+    edited.save_pretrained(tmp_path / "edited")
+    assert edited.stem_save_id == read_save_id(tmp_path / "edited")
+
+
+def test_a_row_sparse_optimizer_keeps_its_float32_state_on_tables_trained_as_stored():
+    from stem_hf.training import RowSparseAdamW, param_groups
+
+    model = tiny_model(table_dtype="bfloat16")
+    model.model.stem_tables.upcast_for_training = False
+    model.train()
+    for row_sparse in (False, True):
+        optimizer = RowSparseAdamW(param_groups(model, 1e-3, row_sparse_tables=row_sparse))
+        for _ in range(3):
+            model(IDS, labels=IDS).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states = [optimizer.state[t.weight] for t in model.model.stem_tables.values()]
+        assert all(v.dtype == torch.float32 for s in states for v in s.values() if torch.is_floating_point(v))
+
+
+def test_with_frozen_tables_beside_trained_ones_the_config_keeps_the_stored_dtype(tmp_path, caplog):
+    model = tiny_model(table_dtype="bfloat16")
+    model.model.stem_tables["3"].requires_grad_(False)
+    model.train()
+    assert model.model.stem_tables["1"].weight.dtype == torch.float32
+    assert model.model.stem_tables["3"].weight.dtype == torch.bfloat16
+    assert model.config.table_dtype == "bfloat16"  # the frozen table is not doubled on disk
+    from transformers.utils import logging
+
+    logging.get_logger("stem_hf.modeling_stem").warning_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        model.save_pretrained(tmp_path)
+    assert "tables held in float32" in caplog.text  # the rounding of the trained one is said
+
+
+def test_a_config_saved_again_as_it_was_loaded_does_not_claim_the_old_save(tmp_path):
+    tiny_model().save_pretrained(tmp_path / "a")
+    model = StemForCausalLM.from_pretrained(tmp_path / "a")
+    assert not hasattr(model.config, "stem_save_id")
+    model.save_pretrained(tmp_path / "b")
+    model.config.save_pretrained(tmp_path / "b")  # a config refreshed by hand after the save
+    StemForCausalLM.from_pretrained(tmp_path / "b")
+
+
+def test_negative_pad_ids_index_from_the_end_as_torch_takes_them():
+    assert tiny_config(pad_token_id=-1).pad_token_id == -1
+    assert tiny_model(pad_token_id=-1).model.embed_tokens.padding_idx == 95
 
 
 class WordTokenizer:

@@ -403,3 +403,16 @@ def test_stem_hf_push_and_analyze_leave_out_provenance_of_weights_saved_over(tmp
         files = state.repos["user/pushed"]
     assert INDEX in files and REPORT not in files
     assert (folder / REPORT).is_file()  # kept in the folder
+
+
+def test_results_of_other_weights_are_set_aside_under_distinct_names_and_not_pushed(tmp_path):
+    from stem_hf.evaluation import _merge_into
+
+    path = tmp_path / RESULTS_FILE
+    for save_id in ("a" * 32, "b" * 32, "unsaved-c", "../../evil"):  # all within one second
+        _merge_into(path, {"results": {"t": {"acc": 1.0}}}, save_id)
+    aside = sorted(p.name for p in tmp_path.iterdir() if p.name != RESULTS_FILE)
+    assert len(aside) == 3 and all(name.startswith("lm_eval_results.") for name in aside)
+    assert json.loads(path.read_text())["stem_save_id"] == "../../evil"
+    _merge_into(path, {"results": {}}, "d" * 32)  # an id that is not a file name stays out of paths
+    assert len([p for p in tmp_path.iterdir() if p.parent == tmp_path]) == 5
