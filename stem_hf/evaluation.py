@@ -163,11 +163,10 @@ def _merge_into(path: Path, results: dict, save_id: str | None = None) -> None:
     merged = json.loads(path.read_text()) if path.is_file() else {}
     if merged and merged.get(SAVE_ID_KEY) != save_id:
         old_id = re.sub(r"[^0-9A-Za-z_-]", "_", str(merged.get(SAVE_ID_KEY) or "no-id"))[:48]
-        aside = path.with_name(f"{path.stem}.{old_id}-{time.strftime('%Y%m%d%H%M%S')}.json")
-        n = 1
+        stamp = f"{path.stem}.{old_id}-{time.strftime('%Y%m%d%H%M%S')}"
+        aside, n = path.with_name(f"{stamp}.json"), 1
         while aside.exists():  # never over an earlier set-aside file
-            aside = path.with_name(f"{path.stem}.{old_id}-{time.strftime('%Y%m%d%H%M%S')}-{n}.json")
-            n += 1
+            aside, n = path.with_name(f"{stamp}-{n}.json"), n + 1
         os.replace(path, aside)
         logger.warning(
             f"{path}: the results of {', '.join(merged.get('results', {})) or 'no task'} there describe other weights "

@@ -961,13 +961,13 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         later lookup. With `inputs_embeds` on a model with STEM layers, `stem_input_ids` is required."""
         stem_input_ids = kwargs.get("stem_input_ids")
         embeds = kwargs.get("inputs_embeds")
-        prompt = embeds if embeds is not None else (inputs if inputs is not None else kwargs.get("input_ids"))
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        prompt = embeds if embeds is not None else ids
         if stem_input_ids is None and embeds is not None and self.config.stem_layers:
             raise ValueError(
                 f"generate(inputs_embeds=...): this model's STEM layers {self.config.stem_layers} look up table rows "
                 "by token id; pass `stem_input_ids` (batch_size, prompt_length) with the prompt's token ids"
             )
-        ids = inputs if inputs is not None else kwargs.get("input_ids")
         if stem_input_ids is not None and embeds is not None and ids is not None and ids.numel():
             raise ValueError(
                 "generate: with stem_input_ids, give the prompt as input_ids or as inputs_embeds, not both (which of "

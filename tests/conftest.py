@@ -26,6 +26,16 @@ def tiny_model(**overrides) -> StemForCausalLM:
     return StemForCausalLM(tiny_config(**overrides)).eval()
 
 
+def sensitive_model(std: float = 1.0, **overrides) -> StemForCausalLM:
+    """A tiny model whose tables matter to its outputs: the paper's xavier init is tiny, so rows are drawn larger."""
+    torch.manual_seed(0)
+    model = tiny_model(**overrides)
+    with torch.no_grad():
+        for table in model.model.stem_tables.values():
+            table.weight.normal_(0, std)
+    return model
+
+
 BYTE_VOCAB = 259  # <pad>, <s>, </s> and the 256 bytes
 
 

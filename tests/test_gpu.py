@@ -13,22 +13,13 @@ import torch
 
 from stem_hf import StemForCausalLM
 from stem_hf.offload import StemOffloadEngine, offloaded
-from tests.conftest import tiny_model
+from tests.conftest import sensitive_model, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none visible")
 
 CUDA = torch.device("cuda", 0)
 FP32_TOL = 1e-3  # of the logits' scale: CPU and GPU kernels sum in other orders
 BF16_TOL = 5e-2  # a bf16 dense part against the fp32 CPU reference
-
-
-def _model(**overrides):
-    torch.manual_seed(0)
-    model = tiny_model(**overrides)
-    with torch.no_grad():  # the paper's init is tiny: larger rows make the tables matter to the outputs
-        for table in model.model.stem_tables.values():
-            table.weight.normal_(0, 1.0)
-    return model
 
 
 def _ids(shape, vocab=96, seed=0):
@@ -86,7 +77,7 @@ def _table_bytes(model) -> int:
 
 
 def test_to_cuda_keeps_tables_on_the_host_and_matches_cpu():
-    model = _model(table_dtype="float32", vocab_size=4096, intermediate_size=256)
+    model = sensitive_model(table_dtype="float32", vocab_size=4096, intermediate_size=256)
     ids = _ids((3, 10), vocab=4096)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding in a batch
@@ -111,8 +102,8 @@ def test_to_cuda_keeps_tables_on_the_host_and_matches_cpu():
 
 
 def test_resident_and_host_tables_give_the_same_logits_on_cuda():
-    host = _model().to(CUDA)
-    resident = _model(keep_tables_on_cpu=False).to(CUDA)
+    host = sensitive_model().to(CUDA)
+    resident = sensitive_model(keep_tables_on_cpu=False).to(CUDA)
     assert all(t.weight.device == CUDA for t in resident.model.stem_tables.values())
     assert all(t.weight.device.type == "cpu" for t in host.model.stem_tables.values())
     ids = _ids((2, 16)).to(CUDA)
@@ -121,7 +112,7 @@ def test_resident_and_host_tables_give_the_same_logits_on_cuda():
 
 
 def test_gradients_reach_host_tables_from_a_cuda_forward():
-    model = _model(table_dtype="float32")
+    model = sensitive_model(table_dtype="float32")
     ids = _ids((2, 12))
     cpu = copy.deepcopy(model)
     cpu_loss = cpu(ids, labels=ids).loss
@@ -142,7 +133,7 @@ def test_gradients_reach_host_tables_from_a_cuda_forward():
 
 
 def test_a_bf16_dense_part_on_cuda_with_bf16_host_tables():
-    model = _model()  # tables bf16 (the default table_dtype), dense fp32
+    model = sensitive_model()  # tables bf16 (the default table_dtype), dense fp32
     ids = _ids((2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -158,7 +149,7 @@ def test_a_bf16_dense_part_on_cuda_with_bf16_host_tables():
 
 
 def test_an_out_of_range_id_raises_before_any_cuda_gather():
-    model = _model().to(CUDA)
+    model = sensitive_model().to(CUDA)
     with torch.no_grad(), pytest.raises(ValueError, match="outside"):
         model(torch.tensor([[5, 96]], device=CUDA))
     with torch.no_grad():  # a device-side assert would have left the CUDA context unusable
@@ -197,7 +188,7 @@ def test_engine_copies_pinned_staging_on_a_side_stream_and_never_overwrites_rows
     """Twenty fetches of up to 4096 tokens (4 MB) back to back, no synchronization between them: the two pinned
     staging buffers are reused and grown while earlier copies may still run, and each fetch's rows on the device must
     still be exactly the store's."""
-    model = _model(vocab_size=4096, intermediate_size=256).to(CUDA)
+    model = sensitive_model(vocab_size=4096, intermediate_size=256).to(CUDA)
     engine = StemOffloadEngine(model, int8=int8)
     assert engine.cuda and engine.device == CUDA
     assert isinstance(engine.stream, torch.cuda.Stream) and engine.stream != torch.cuda.current_stream(CUDA)
@@ -225,7 +216,7 @@ def test_engine_copies_pinned_staging_on_a_side_stream_and_never_overwrites_rows
 
 @pytest.mark.parametrize("cache_tokens", [0, 6, 200])
 def test_offloaded_and_host_tables_give_identical_logits_and_generations_on_cuda(cache_tokens):
-    model = _model()
+    model = sensitive_model()
     ids = _ids((3, 10))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -260,7 +251,7 @@ def test_offloaded_and_host_tables_give_identical_logits_and_generations_on_cuda
 
 
 def test_the_row_cache_on_cuda_serves_a_prefetched_prompt():
-    model = _model().to(CUDA)
+    model = sensitive_model().to(CUDA)
     ids = _ids((1, 20)).to(CUDA)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, prefill_chunk_size=8)
     expected = model.generate(ids, **kwargs)  # chunked too: the same kernels, so the same tokens exactly
@@ -274,7 +265,7 @@ def test_the_row_cache_on_cuda_serves_a_prefetched_prompt():
 
 
 def test_int8_offload_on_cuda_changes_logits_little():
-    model = _model().to(CUDA)
+    model = sensitive_model().to(CUDA)
     ids = _ids((2, 16)).to(CUDA)
     with torch.no_grad():
         expected = model(ids).logits
@@ -290,7 +281,7 @@ def test_int8_offload_on_cuda_changes_logits_little():
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_planned_prefill_gathers_and_copies_each_next_chunk_in_the_background_on_cuda(int8):
-    model = _model().to(CUDA)
+    model = sensitive_model().to(CUDA)
     ids = _ids((2, 21), seed=1).to(CUDA)
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, prefill_chunk_size=8)
     with offloaded(model, int8=int8) as reference:
@@ -307,7 +298,7 @@ def test_a_planned_prefill_gathers_and_copies_each_next_chunk_in_the_background_
 
 
 def test_a_cuda_device_map_load_serves_freed_tables_from_the_store(tmp_path):
-    model = _model()
+    model = sensitive_model()
     model.save_pretrained(tmp_path / "ckpt")
     loaded = StemForCausalLM.from_pretrained(tmp_path / "ckpt", device_map={"": 0})
     ids = _ids((2, 12), seed=2)

@@ -15,20 +15,12 @@ from transformers import Trainer, TrainingArguments
 
 from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.editing import StemEdit, persist_edit
-from tests.conftest import TINY, tiny_config, tiny_model
+from tests.conftest import TINY, sensitive_model, tiny_config, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = torch.tensor([[1, 5, 6, 7, 9, 11, 13]])
 # Other rows than the text's own at most positions: a lookup shifted by one position changes the answer.
 EDITED = torch.tensor([[1, 60, 40, 70, 9, 50, 77]])
-
-
-def sensitive_model(**overrides) -> StemForCausalLM:
-    """A tiny model whose tables matter: rows as large as a trained model's, not the tiny xavier init."""
-    model = tiny_model(table_dtype="float32", **overrides)
-    for table in model.model.stem_tables.values():
-        torch.nn.init.normal_(table.weight, std=3.0)
-    return model
 
 
 def greedy(model, n: int = 6, **kwargs) -> torch.Tensor:
@@ -78,7 +70,7 @@ def test_generate_refuses_stem_ids_that_do_not_cover_the_prompt():
 
 
 def test_generate_takes_inputs_embeds_with_stem_ids_and_says_what_is_missing_without():
-    model = sensitive_model()
+    model = sensitive_model(std=3.0, table_dtype="float32")
     embeds = model.get_input_embeddings()(IDS)
     from_ids = greedy(model, input_ids=IDS, stem_input_ids=EDITED)
     from_embeds = greedy(model, inputs_embeds=embeds, stem_input_ids=EDITED)
@@ -90,7 +82,7 @@ def test_generate_takes_inputs_embeds_with_stem_ids_and_says_what_is_missing_wit
 
 
 def test_assisted_and_chunked_generation_keep_each_position_on_its_own_row():
-    model, assistant = sensitive_model(), tiny_model()
+    model, assistant = sensitive_model(std=3.0, table_dtype="float32"), tiny_model()
     plain = greedy(model, n=8, input_ids=IDS, stem_input_ids=EDITED)
     assert not torch.equal(plain, greedy(model, n=8, input_ids=IDS))  # the edited rows matter
     assisted = greedy(model, n=8, input_ids=IDS, stem_input_ids=EDITED, assistant_model=assistant)
@@ -100,7 +92,7 @@ def test_assisted_and_chunked_generation_keep_each_position_on_its_own_row():
 
 
 def test_peft_prompt_tuning_trains_and_generates_with_soft_prompts_on_zero_rows():
-    model = sensitive_model()
+    model = sensitive_model(std=3.0, table_dtype="float32")
     peft_model = get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
     with pytest.raises(ValueError, match="with PEFT prompt tuning, pass the text's input ids as `stem_input_ids`"):
         peft_model(input_ids=IDS, labels=IDS)

@@ -8,20 +8,11 @@ import torch
 
 from stem_hf import StemForCausalLM
 from stem_hf.offload import StemHostTables, StemOffloadEngine, StemRowCache, offloaded
-from tests.conftest import tiny_model
-
-
-def _model(**overrides):
-    torch.manual_seed(0)
-    model = tiny_model(**overrides)
-    with torch.no_grad():  # the paper's init is tiny: larger rows make the tables matter to the outputs
-        for table in model.model.stem_tables.values():
-            table.weight.normal_(0, 1.0)
-    return model
+from tests.conftest import sensitive_model, tiny_model
 
 
 def test_the_store_is_token_major_and_gathers_what_a_plain_index_gives():
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     tables = {int(k): m.weight for k, m in model.model.stem_tables.items()}
     store = StemHostTables(tables)
     assert store.data.shape == (96, 2, 64) and store.data.dtype == torch.bfloat16
@@ -34,7 +25,7 @@ def test_the_store_is_token_major_and_gathers_what_a_plain_index_gives():
 
 
 def test_int8_store_halves_the_bytes_and_stays_close():
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     tables = {int(k): m.weight for k, m in model.model.stem_tables.items()}
     bf16, int8 = StemHostTables(tables), StemHostTables(tables, int8=True)
     assert int8.data.dtype == torch.int8 and int8.nbytes < 0.55 * bf16.nbytes
@@ -51,7 +42,7 @@ def test_fetches_alternate_between_two_staging_buffers_that_grow(int8):
     """The staging double-buffer, which the CPU path gathers into too: fetch N+1 never overwrites fetch N's rows (its
     forward, or its copy on a GPU, may still read them), fetch N+2 reuses fetch N's buffer, and a fetch larger than a
     buffer replaces it."""
-    engine = StemOffloadEngine(_model(table_dtype="bfloat16"), int8=int8)
+    engine = StemOffloadEngine(sensitive_model(table_dtype="bfloat16"), int8=int8)
     expected = {}
 
     def fetch(ids):
@@ -99,7 +90,7 @@ def test_the_cache_evicts_the_least_used_then_the_least_recent():
 
 
 def test_a_batch_larger_than_the_cache_is_served_and_keeps_its_hits():
-    model = _model(table_dtype="float32")
+    model = sensitive_model(table_dtype="float32")
     ids = torch.arange(3, 40).view(1, -1)
     with torch.no_grad():
         expected = model(ids).logits
@@ -112,7 +103,7 @@ def test_a_batch_larger_than_the_cache_is_served_and_keeps_its_hits():
 
 @pytest.mark.parametrize("cache_tokens", [0, 6, 200])
 def test_offloaded_and_resident_tables_give_identical_logits_and_generations(cache_tokens):
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 96, (3, 10), generator=g)
     mask = torch.ones_like(ids)
@@ -140,7 +131,7 @@ def test_offloaded_and_resident_tables_give_identical_logits_and_generations(cac
 
 
 def test_a_device_map_load_and_freed_tables_serve_from_the_store(tmp_path):
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     model.save_pretrained(tmp_path / "ckpt")
     loaded = StemForCausalLM.from_pretrained(tmp_path / "ckpt", device_map={"": "cpu"})
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -162,7 +153,7 @@ def test_a_device_map_load_and_freed_tables_serve_from_the_store(tmp_path):
 
 
 def test_int8_offload_changes_logits_little_with_or_without_a_cache():
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(ids).logits
@@ -181,11 +172,11 @@ def test_a_model_without_stem_layers_has_nothing_to_offload():
     with pytest.raises(ValueError, match="no STEM layers"):
         StemOffloadEngine(tiny_model(stem_layers=[]))
     with pytest.raises(ValueError, match="no row cache"):
-        StemOffloadEngine(_model()).prefetch(torch.tensor([1]))
+        StemOffloadEngine(sensitive_model()).prefetch(torch.tensor([1]))
 
 
 def test_chunked_prefill_after_a_prompt_prefetch_reads_the_cache_only():
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
     expected = model.generate(ids, max_new_tokens=6, do_sample=False)
     with offloaded(model, cache_tokens=64) as engine:
@@ -199,7 +190,7 @@ def test_chunked_prefill_after_a_prompt_prefetch_reads_the_cache_only():
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_planned_chunked_prefill_gathers_each_next_chunk_in_the_background(int8):
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     ids = torch.randint(3, 96, (2, 21), generator=torch.Generator().manual_seed(1))
     with offloaded(model, int8=int8) as reference:  # the same store, served forward by forward
         expected = model.generate(ids, max_new_tokens=5, do_sample=False, prefill_chunk_size=8)
@@ -216,7 +207,7 @@ def test_a_planned_chunked_prefill_gathers_each_next_chunk_in_the_background(int
 
 
 def test_a_forward_off_the_plan_drops_it_and_is_served_as_usual():
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(2))
     other = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -234,7 +225,7 @@ def test_a_forward_off_the_plan_drops_it_and_is_served_as_usual():
 
 
 def test_a_failed_background_gather_is_reported_and_the_forward_fetches_its_own_rows():
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = model(ids[:, :6]).logits

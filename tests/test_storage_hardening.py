@@ -313,6 +313,16 @@ def test_evaluation_results_are_tied_to_the_checkpoint_evaluated(tmp_path, caplo
     assert len(aside) == 1 and json.loads(aside[0].read_text())["n-samples"]["stem_facts"]["effective"] == 2  # kept
 
 
+def _pushed(code: str, tmp_path) -> dict[str, bytes]:
+    """Runs `code` (which pushes to "user/pushed") in a fresh interpreter against a loopback Hub; the repo's files."""
+    with fake_hub(lifetime=300) as (endpoint, state):
+        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return state.repos["user/pushed"]
+
+
 def test_push_to_hub_uploads_only_provenance_of_the_weights_it_pushes(tmp_path):
     folder = tmp_path / "ckpt"
     tiny_model().save_pretrained(folder)
@@ -324,12 +334,7 @@ def test_push_to_hub_uploads_only_provenance_of_the_weights_it_pushes(tmp_path):
         from stem_hf import StemForCausalLM
         StemForCausalLM.from_pretrained({str(folder)!r}).push_to_hub("user/pushed")
     """
-    with fake_hub(lifetime=300) as (endpoint, state):
-        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
-        env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
-        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-3000:]
-        files = state.repos["user/pushed"]
+    files = _pushed(code, tmp_path)
     assert RESULTS_FILE not in files
     pushed_id = json.loads(files[INDEX])["metadata"]["stem_save_id"]
     assert json.loads(files[REPORT])["stem_save_id"] == pushed_id != save_id  # the pushed weights are the loaded ones
@@ -395,12 +400,7 @@ def test_stem_hf_push_and_analyze_leave_out_provenance_of_weights_saved_over(tmp
         from stem_hf.hub import push_checkpoint
         push_checkpoint({str(folder)!r}, "user/pushed")
     """
-    with fake_hub(lifetime=300) as (endpoint, state):
-        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
-        env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
-        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-3000:]
-        files = state.repos["user/pushed"]
+    files = _pushed(code, tmp_path)
     assert INDEX in files and REPORT not in files
     assert (folder / REPORT).is_file()  # kept in the folder
 
