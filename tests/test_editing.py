@@ -7,8 +7,7 @@ import torch
 from stem_hf import StemForCausalLM
 from stem_hf.cli import main
 from stem_hf.editing import StemEdit, StemEditor, edited, edited_ids, find_occurrences, persist_edit
-from tests.conftest import byte_tokenizer, tiny_model
-from tests.test_offload import _model
+from tests.conftest import byte_tokenizer, sensitive_model, tiny_model
 from tests.test_storage import _mapped_files
 
 IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 9], [1, 5, 6, 3, 3, 3, 3]])
@@ -48,7 +47,7 @@ def test_subset_of_a_long_target_spreads_over_it():
 
 @pytest.mark.parametrize("target", [(20,), (20, 21), (20, 21, 22)])
 def test_mean_gives_every_source_position_the_mean_target_row(target):
-    model = _model(table_dtype="float32")
+    model = sensitive_model(table_dtype="float32")
     captured = {}
     layer = model.model.layers[1].mlp
     hook = layer.register_forward_pre_hook(lambda m, args: captured.update(rows=args[1]))
@@ -64,7 +63,7 @@ def test_mean_gives_every_source_position_the_mean_target_row(target):
 
 
 def test_an_edit_changes_logits_and_leaving_it_restores_them_exactly():
-    model = _model(table_dtype="float32")
+    model = sensitive_model(table_dtype="float32")
     with torch.no_grad():
         before = model(IDS).logits
         with StemEditor(model, [StemEdit((5, 6), (30, 31), "pad")]):
@@ -78,7 +77,7 @@ def test_an_edit_changes_logits_and_leaving_it_restores_them_exactly():
 
 
 def test_an_edit_works_inside_generate():
-    model = _model(table_dtype="float32")
+    model = sensitive_model(table_dtype="float32")
     prompt = IDS[:1]
     plain = model.generate(prompt, max_new_tokens=5, do_sample=False)
     with StemEditor(model, [StemEdit((5, 6), (40, 41), "pad")]):
@@ -88,7 +87,7 @@ def test_an_edit_works_inside_generate():
 
 
 def test_a_persisted_edit_survives_save_and_reload(tmp_path):
-    model = _model(table_dtype="bfloat16")
+    model = sensitive_model(table_dtype="bfloat16")
     edit = StemEdit((5,), (30, 31), "mean")
     with torch.no_grad():
         expected_row = model.model.stem_tables["3"].weight[[30, 31]].float().mean(0).to(torch.bfloat16)
@@ -102,7 +101,7 @@ def test_a_persisted_edit_survives_save_and_reload(tmp_path):
 
 
 def test_a_persisted_edit_on_a_memory_mapped_model_never_alters_its_file(tmp_path):
-    _model(table_dtype="bfloat16").save_pretrained(tmp_path / "ckpt")
+    sensitive_model(table_dtype="bfloat16").save_pretrained(tmp_path / "ckpt")
     shard = tmp_path / "ckpt" / "stem-tables-00001-of-00001.safetensors"
     before = shard.read_bytes()
     loaded = StemForCausalLM.from_pretrained(tmp_path / "ckpt")
@@ -123,7 +122,7 @@ def test_bad_edits_are_clear_errors():
         StemEdit((1,), (2,), "swap")
     with pytest.raises(ValueError, match=r"source tokens \[50, 51\] do not occur in the input"):
         edited_ids(IDS, [StemEdit((50, 51), (2,))])
-    model = _model()
+    model = sensitive_model()
     with pytest.raises(ValueError, match=r"source tokens \[50, 51\] do not occur in the input"):
         with StemEditor(model, [StemEdit((50, 51), (2,))]):
             model(IDS)
@@ -134,7 +133,7 @@ def test_bad_edits_are_clear_errors():
 
 
 def test_text_edits_and_the_cli_print_answers_before_and_after(tmp_path, capsys):
-    model = _model(vocab_size=259, max_position_embeddings=128)
+    model = sensitive_model(vocab_size=259, max_position_embeddings=128)
     tokenizer = byte_tokenizer()
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
@@ -153,7 +152,7 @@ def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():
     from stem_hf.edit_eval import CAPITALS, evaluate_edits
 
     assert len(CAPITALS) >= 30 and len({s for s, _ in CAPITALS}) == len(CAPITALS)
-    model = _model(vocab_size=259, max_position_embeddings=128)
+    model = sensitive_model(vocab_size=259, max_position_embeddings=128)
     before = {k: t.weight.detach().clone() for k, t in model.model.stem_tables.items()}
     result = evaluate_edits(model, byte_tokenizer(), pairs=CAPITALS[:4], locality_prompts=2, new_tokens=2)
     assert set(result["strategies"]) == {"pad", "subset", "mean"}
