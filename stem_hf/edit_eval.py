@@ -1,6 +1,8 @@
 """The knowledge-editing evaluation: does editing one country's lookups to another's switch the model's answer
 (efficacy), and leave other countries' answers alone (locality)? Pairs written for this project."""
 
+import re
+
 import torch
 from tqdm import tqdm
 
@@ -62,8 +64,25 @@ def _logprob(model, tokenizer, prompt: str, continuation: str) -> float:
     return logprobs.gather(1, torch.tensor(cont, device=model.device)[:, None]).sum().item()
 
 
-def _says(answer: str, attribute: str) -> bool:
-    return answer.lower().startswith(attribute.lower())
+def named(answer: str, attributes: list[str]) -> str | None:
+    """The attribute among `attributes` that `answer` names first, as whole words ("the city of Athens." names Athens),
+    or None."""
+    found = [(m.start(), a) for a in attributes for m in [re.search(rf"\b{re.escape(a.lower())}\b", answer.lower())] if m]
+    return min(found)[1] if found else None
+
+
+@torch.no_grad()
+def next_token_logprobs(model, tokenizer, prompt: str) -> torch.Tensor:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    return model(ids).logits[0, -1].float().log_softmax(-1)
+
+
+def divergence_closed(edited: torch.Tensor, unedited: torch.Tensor, target: torch.Tensor) -> float:
+    """1 - KL(edited || target) / KL(unedited || target), from next-token log-probabilities: the share of the gap
+    between the source prompt's distribution and the target prompt's that an edit closes (1: the edited model answers
+    the source prompt as it answers the target's; 0: unchanged; below 0: further away). Needs no known facts."""
+    kl = lambda p, q: (p.exp() * (p - q)).sum().item()  # noqa: E731
+    return 1.0 - kl(edited, target) / kl(unedited, target)
 
 
 @torch.no_grad()
@@ -78,7 +97,9 @@ def evaluate_edits(
     """For each pair i, edits " subject_i" -> " subject_{i+1}" (the next pair, cyclically) in the prompt about
     subject_i, with each strategy.
 
-    - efficacy: the share of edits after which the answer names attribute_{i+1};
+    - divergence closed: the mean over edits of `divergence_closed`, the edited source prompt's next-token distribution
+      against the unedited target prompt's (model-agnostic: it needs no fact the model knows);
+    - efficacy: the share of edits after which the answer names attribute_{i+1} first (`named`: whole words anywhere);
     - efficacy where known: the same, over edits whose target the unedited model answers right;
     - efficacy score: the share of edits after which the model gives the target's attribute a higher probability than
       the subject's own (CounterFact's measure; it reads the model's preference even where its greedy answer names
@@ -89,7 +110,9 @@ def evaluate_edits(
       only through tokens they share with the source.
     """
     base = {s: _answer(model, tokenizer, PROMPT.format(subject=s), new_tokens) for s, _ in tqdm(pairs, desc="baseline")}
-    known = {s: _says(base[s], a) for s, a in pairs}
+    attributes = [a for _, a in pairs]
+    known = {s: named(base[s], attributes) == a for s, a in pairs}
+    logprobs = {s: next_token_logprobs(model, tokenizer, PROMPT.format(subject=s)) for s, _ in pairs}
     result = {
         "pairs": len(pairs),
         "baseline_accuracy": sum(known.values()) / len(pairs),
@@ -100,7 +123,7 @@ def evaluate_edits(
     for strategy in strategies:
         hits, known_hits, known_total, kept, kept_total, examples = 0, 0, 0, 0, 0, []
         prefer_before = prefer_after = 0
-        shifts = []
+        shifts, closed = [], []
         for i, (subject, attribute) in enumerate(tqdm(pairs, desc=f"edits ({strategy})")):
             target, target_attribute = pairs[(i + 1) % len(pairs)]
             edit = StemEdit.from_text(tokenizer, " " + subject, " " + target, strategy)
@@ -110,13 +133,15 @@ def evaluate_edits(
             )
             with StemEditor(model, [edit]):
                 answer = _answer(model, tokenizer, prompt, new_tokens)
+                closed.append(divergence_closed(next_token_logprobs(model, tokenizer, prompt), logprobs[subject],
+                                                logprobs[target]))  # fmt: skip
                 gap_after = _logprob(model, tokenizer, prompt, " " + target_attribute) - _logprob(
                     model, tokenizer, prompt, " " + attribute
                 )
             prefer_before += gap_before > 0
             prefer_after += gap_after > 0
             shifts.append(gap_after - gap_before)
-            success = _says(answer, target_attribute)
+            success = named(answer, attributes) == target_attribute
             hits += success
             if known[target]:
                 known_hits, known_total = known_hits + success, known_total + 1
@@ -142,6 +167,7 @@ def evaluate_edits(
                 for k, t in tables.items():
                     t.weight.data[rows] = saved[k]
         result["strategies"][strategy] = {
+            "divergence_closed": sum(closed) / len(closed),
             "efficacy_score": prefer_after / len(pairs),
             "efficacy_score_before_edit": prefer_before / len(pairs),
             "mean_logprob_gap_shift": sum(shifts) / len(shifts),
@@ -154,4 +180,4 @@ def evaluate_edits(
     return result
 
 
-__all__ = ["CAPITALS", "PROMPT", "evaluate_edits"]
+__all__ = ["CAPITALS", "PROMPT", "divergence_closed", "evaluate_edits", "named", "next_token_logprobs"]

@@ -196,12 +196,18 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
                 )
     model.stem_save_id = unsaved_id()  # the tables no longer hold the loaded or saved checkpoint's rows
     for table in model.base_model.stem_tables.values():
-        weight = table.weight
-        if edit.strategy == "mean":
-            rows = weight[list(edit.target)].float().mean(dim=0, keepdim=True).expand(len(edit.source), -1)
-        else:
-            rows = weight[list(edit.mapped_target())].float()
-        weight[list(edit.source)] = rows.to(weight.dtype).clone()
+        write_edited_rows(table.weight, edit)
+
+
+@torch.no_grad()
+def write_edited_rows(weight: torch.Tensor, edit: StemEdit) -> None:
+    """Writes into the `[vocab, width]` matrix `weight` the rows an edit gives its source tokens: the mapped target's
+    rows (`pad`, `subset`) or their mean (`mean`). Any per-token matrix: a table, or an embedding for comparison."""
+    if edit.strategy == "mean":
+        rows = weight[list(edit.target)].float().mean(dim=0, keepdim=True).expand(len(edit.source), -1)
+    else:
+        rows = weight[list(edit.mapped_target())].float()
+    weight[list(edit.source)] = rows.to(weight.dtype).clone()
 
 
 @contextmanager
@@ -220,4 +226,5 @@ __all__ = [
     "edited_ids",
     "find_occurrences",
     "persist_edit",
+    "write_edited_rows",
 ]

@@ -109,10 +109,10 @@ def configs(settings: PretrainSettings, vocab_size: int) -> tuple[StemConfig, St
     return dense, StemConfig(**shape, intermediate_size=best, stem_layers=settings.stem_layers)
 
 
-def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: PretrainSettings, out: Path) -> dict:
-    torch.manual_seed(settings.seed)
-    model = StemForCausalLM(config)
-    args = TrainingArguments(
+def training_arguments(out: Path, settings: PretrainSettings, **overrides) -> TrainingArguments:
+    """From-scratch training as the paper's reference code does it: AdamW with weight decay 0.1, linear warmup, cosine
+    decay, the same seed for weights and data order; no checkpoints. `overrides` win over these and `settings.extra`."""
+    args = dict(
         output_dir=str(out),
         per_device_train_batch_size=settings.batch_size,
         per_device_eval_batch_size=settings.batch_size,
@@ -130,8 +130,14 @@ def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: Pret
         data_seed=settings.seed,
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
-        **settings.extra,
     )
+    return TrainingArguments(**{**args, **settings.extra, **overrides})
+
+
+def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: PretrainSettings, out: Path) -> dict:
+    torch.manual_seed(settings.seed)
+    model = StemForCausalLM(config)
+    args = training_arguments(out, settings)
     trainer = StemTrainer(model=model, args=args, train_dataset=train, eval_dataset=valid, table_lr=settings.table_lr)
     seconds = trainer.train().metrics["train_runtime"]  # the whole train loop, its periodic evaluations included
     if settings.steps % settings.eval_every:  # the last periodic evaluation is not at the end
@@ -211,4 +217,4 @@ def pretrain(texts: list[str], out: str | os.PathLike, settings: PretrainSetting
     return result
 
 
-__all__ = ["PretrainSettings", "configs", "pretrain", "split_corpus", "train_tokenizer"]
+__all__ = ["PretrainSettings", "configs", "pretrain", "split_corpus", "train_tokenizer", "training_arguments"]

@@ -1,0 +1,297 @@
+"""What the lab measures on a trained model: recall of each fact by greedy decoding on trained and held-out templates,
+stored bits, edits by rows with their baselines (efficacy, generalization, locality), where the identity of an entity
+lives (knock-outs per layer), and the angular spread of table rows against dense up-projection outputs.
+
+Every value is one token, so greedy decoding of an answer is the argmax after its prompt. Prompts start with `<s>`, as
+every training document does.
+"""
+
+import math
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..analysis import dense_up_spread, table_spread
+from ..editing import STRATEGIES, StemEdit, persist_edit, write_edited_rows
+from .corpus import LabWorld
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One question: the prompt about `subject` (an index into people or countries) and the id of its answer."""
+
+    kind: str  # "person" or "country"
+    subject: int
+    attribute: str
+    split: str  # "train" or "heldout" templates
+    template: int
+    prompt: tuple[int, ...]
+    answer: int
+
+
+def probes(world: LabWorld, tokenizer, kind: str, split: str = "train", subjects=None, name_of=None) -> list[Probe]:
+    """Every prompt of `split` templates about the `subjects` (default: all) of `kind`; `name_of(i)` may write a
+    subject under another name (the text-substitution baseline) while the answer stays the subject's own."""
+    entries = world.people if kind == "person" else world.countries
+    templates = world.person_templates if kind == "person" else world.country_templates
+    subjects = range(len(entries)) if subjects is None else subjects
+    rows = []
+    for i in subjects:
+        name = entries[i]["name"] if name_of is None else name_of(i)
+        for attribute, (trained, heldout) in templates.items():
+            for t, template in enumerate(trained if split == "train" else heldout):
+                rows.append((i, attribute, t, template.split("{v}")[0].format(name=name).strip(), entries[i][attribute]))
+    prompts = tokenizer([r[3] for r in rows])["input_ids"]
+    answers = tokenizer.convert_tokens_to_ids([r[4] for r in rows])
+    return [
+        Probe(kind, i, attribute, split, t, tuple(p), a)
+        for (i, attribute, t, _, _), p, a in zip(rows, prompts, answers, strict=True)
+    ]
+
+
+@torch.no_grad()
+def predict(model: nn.Module, prompts: list[tuple[int, ...]], batch_size: int = 512) -> torch.Tensor:
+    """The greedy next token after each prompt. Prompts are right-padded: causal attention keeps the padding out of
+    each prompt's last position."""
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        lengths = torch.tensor([len(p) for p in chunk])
+        ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long)
+        for row, p in enumerate(chunk):
+            ids[row, : len(p)] = torch.tensor(p)
+        logits = model(ids.to(model.device), logits_to_keep=0).logits
+        out.append(logits[torch.arange(len(chunk)), lengths.to(logits.device) - 1].argmax(-1).cpu())
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def accuracy(model: nn.Module, questions: list[Probe]) -> torch.Tensor:
+    """1.0 where the model answers a probe right, else 0.0."""
+    answers = torch.tensor([q.answer for q in questions])
+    return (predict(model, [q.prompt for q in questions]) == answers).float()
+
+
+def recall(model: nn.Module, world: LabWorld, tokenizer) -> dict:
+    """Exact-match recall per attribute on trained and on held-out templates, for people (also by name length in
+    tokens) and countries; and the bits stored: log2 of each attribute's value count times its recall, over people."""
+    result = {}
+    for kind in ("person", "country"):
+        for split in ("train", "heldout"):
+            questions = probes(world, tokenizer, kind, split)
+            hits = accuracy(model, questions)
+            by = lambda key: {  # noqa: E731
+                k: hits[[i for i, q in enumerate(questions) if key(q) == k]].mean().item()
+                for k in dict.fromkeys(key(q) for q in questions)
+            }
+            entry = {"recall": hits.mean().item(), "by_attribute": by(lambda q: q.attribute)}
+            if kind == "person":
+                lengths = [len(p["name"].split()) for p in world.people]
+                entry["by_name_tokens"] = {str(k): v for k, v in by(lambda q: lengths[q.subject]).items()}
+                if split == "train":
+                    entry["per_person"] = [hits[[i for i, q in enumerate(questions) if q.subject == s]].mean().item()
+                                           for s in range(len(world.people))]  # fmt: skip
+            result[f"{kind}_{split}"] = entry
+    bits = sum(math.log2(len(set(world.values[a]))) * r for a, r in result["person_train"]["by_attribute"].items())
+    result["stored_bits"] = bits * len(world.people)
+    result["max_bits"] = sum(math.log2(len(set(world.values[a]))) for a in world.person_attributes) * len(world.people)
+    return result
+
+
+@contextmanager
+def swapped_rows(model: nn.Module, edit: StemEdit, where: str) -> Iterator[None]:
+    """The model with `edit` written into its table rows (`tables`, the paper's edit, persisted in every context), its
+    input-embedding rows (`embedding`, the baseline; on a copy, so a tied output head keeps its rows), or `both`;
+    restored exactly on exit."""
+    saved = {}
+    if where in ("tables", "both"):
+        tables = model.base_model.stem_tables
+        saved = {k: t.weight.detach()[list(edit.source)].clone() for k, t in tables.items()}
+        persist_edit(model, edit)
+    embed = model.get_input_embeddings()
+    if where in ("embedding", "both"):
+        copy = nn.Embedding.from_pretrained(embed.weight.detach().clone(), freeze=True, padding_idx=embed.padding_idx)
+        write_edited_rows(copy.weight, edit)
+        model.set_input_embeddings(copy)
+    try:
+        yield
+    finally:
+        model.set_input_embeddings(embed)
+        with torch.no_grad():
+            for k, rows in saved.items():
+                model.base_model.stem_tables[k].weight[list(edit.source)] = rows
+
+
+def _name_ids(tokenizer, name: str) -> tuple[int, ...]:
+    return tuple(tokenizer(name, add_special_tokens=False)["input_ids"])
+
+
+def known_people(result: dict, threshold: float = 0.8) -> list[int]:
+    """People whose trained-template recall is at least `threshold` (the unedited model knows their facts)."""
+    return [i for i, r in enumerate(result["person_train"]["per_person"]) if r >= threshold]
+
+
+def edit_pairs(world: LabWorld, tokenizer, known: list[int], n: int, seed: int, unequal: bool = True) -> list:
+    """Up to `n` random (A, B) pairs among `known` people, A != B; with `unequal`, only pairs whose names differ in
+    token length (where the strategies differ)."""
+    rng = random.Random(seed)
+    lengths = {i: len(_name_ids(tokenizer, world.people[i]["name"])) for i in known}
+    candidates = [(a, b) for a in known for b in known if a != b and (lengths[a] != lengths[b] or not unequal)]
+    rng.shuffle(candidates)
+    return candidates[:n]
+
+
+@torch.no_grad()
+def evaluate_edits(
+    model: nn.Module,
+    world: LabWorld,
+    tokenizer,
+    pairs: list[tuple[int, int]],
+    kind: str = "person",
+    methods: tuple[str, ...] | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
+    locality_people: int = 24,
+    seed: int = 0,
+) -> dict:
+    """Edits A -> B for each pair and measures, over A's prompts whose answer differs for B:
+    - efficacy: the share answered with B's value on trained templates; generalization: on held-out templates;
+    - locality: the share of other subjects' prompts (trained templates, `locality_people` random people and every
+      country, none of them A) whose answer stays the unedited model's; and the same over the people among them who
+      share a name token with A, where a persisted row edit can leak;
+    for each method: `tables` (the paper's row swap), `embedding` (the input-embedding rows instead), `both`, and
+    `text` (B's name written in place of A's: the upper bound; the model is unchanged, so it has no locality).
+    Methods with rows run under each strategy; `text` once."""
+    stem = bool(model.config.stem_layers)
+    methods = methods or (("tables", "embedding", "both", "text") if stem else ("embedding", "text"))
+    entries = world.people if kind == "person" else world.countries
+    rng = random.Random(seed)
+    pool = probes(world, tokenizer, "person", "train") + probes(world, tokenizer, "country", "train")
+    pool = [q for q in pool if q.template == 0]
+    base_pool = predict(model, [q.prompt for q in pool])
+    names = {("person", i): set(_name_ids(tokenizer, p["name"])) for i, p in enumerate(world.people)}
+    names |= {("country", i): set(_name_ids(tokenizer, c["name"])) for i, c in enumerate(world.countries)}
+    people = range(len(world.people))
+    cases = []  # per pair, the same prompts for every method
+    for a, b in pairs:
+        own = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a])]
+        keep = [entries[b][q.attribute] != entries[a][q.attribute] for q in own]
+        text = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a],
+                                                                      lambda i: entries[b]["name"])]  # fmt: skip
+        own, text = [q for q, k in zip(own, keep) if k], [q for q, k in zip(text, keep) if k]
+        candidates = [i for i in people if kind != "person" or i != a]
+        chosen = set(rng.sample(candidates, min(locality_people, len(candidates))))
+        others = [i for i, q in enumerate(pool) if (q.kind, q.subject) != (kind, a)]
+        local = [i for i in others if pool[i].kind == "country" or pool[i].subject in chosen]
+        shares = [i for i in others if pool[i].kind == "person" and names[(kind, a)] & names[("person", pool[i].subject)]]
+        cases.append({
+            "edit": (tuple(_name_ids(tokenizer, entries[a]["name"])), tuple(_name_ids(tokenizer, entries[b]["name"]))),
+            "own": own, "text": text, "local": local, "shares": shares,
+            "targets": torch.tensor(tokenizer.convert_tokens_to_ids([entries[b][q.attribute] for q in own])),
+            "train": torch.tensor([q.split == "train" for q in own], dtype=torch.bool),
+        })  # fmt: skip
+    results = {}
+    runs = [(m, s) for m in methods if m != "text" for s in strategies] + [("text", None)] * ("text" in methods)
+    for method, strategy in tqdm(runs, desc=f"{kind} edits", leave=False):
+        counts = dict.fromkeys(("eff", "eff_n", "gen", "gen_n", "loc", "loc_n", "shared", "shared_n"), 0)
+        for case in cases:
+            own = case["text" if method == "text" else "own"]
+            prompts = [q.prompt for q in own] + [pool[i].prompt for i in case["local"] + case["shares"]]
+            if method == "text":
+                answers = predict(model, prompts)
+            else:
+                with swapped_rows(model, StemEdit(*case["edit"], strategy), method):
+                    answers = predict(model, prompts)
+            hit, train = answers[: len(own)] == case["targets"], case["train"]
+            kept = answers[len(own) :] == base_pool[case["local"] + case["shares"]]
+            n_local = len(case["local"])
+            for key, values in (("eff", hit[train]), ("gen", hit[~train]), ("loc", kept[:n_local]),
+                                ("shared", kept[n_local:])):  # fmt: skip
+                counts[key] += values.sum().item()
+                counts[key + "_n"] += len(values)
+        share = lambda k: counts[k] / counts[k + "_n"] if counts[k + "_n"] else None  # noqa: E731
+        results[method if strategy is None else f"{method}/{strategy}"] = {
+            "efficacy": share("eff"),
+            "generalization": share("gen"),
+            "locality": None if method == "text" else share("loc"),
+            "locality_shared_name_token": None if method == "text" else share("shared"),
+            "prompts": {"efficacy": counts["eff_n"], "generalization": counts["gen_n"], "locality": counts["loc_n"],
+                        "shared_name_token": counts["shared_n"]},  # fmt: skip
+        }
+    return {"pairs": len(pairs), "methods": results}
+
+
+@contextmanager
+def knocked_out(model: nn.Module, ids: torch.Tensor, where: str | int) -> Iterator[None]:
+    """The rows of `ids` replaced by their mean: in the input embedding (`embedding`, on a copy), in every table
+    (`tables`), or in the table of one STEM layer (an int)."""
+    weights = []
+    if where == "embedding":
+        embed = model.get_input_embeddings()
+        copy = nn.Embedding.from_pretrained(embed.weight.detach().clone(), freeze=True, padding_idx=embed.padding_idx)
+        copy.weight[ids] = copy.weight[ids].mean(dim=0)
+        model.set_input_embeddings(copy)
+    else:
+        layers = model.config.stem_layers if where == "tables" else [where]
+        weights = [model.base_model.stem_tables[str(layer)].weight for layer in layers]
+    saved = [w.detach()[ids].clone() for w in weights]
+    with torch.no_grad():
+        for w in weights:
+            w[ids] = w[ids].mean(dim=0)
+    try:
+        yield
+    finally:
+        if where == "embedding":
+            model.set_input_embeddings(embed)
+        with torch.no_grad():
+            for w, rows in zip(weights, saved, strict=True):
+                w[ids] = rows
+
+
+@torch.no_grad()
+def localization(model: nn.Module, world: LabWorld, tokenizer, people: list[int]) -> dict:
+    """Recall of `people` (trained templates) when every entity token's rows are replaced by the mean entity row: in
+    the input embedding, in all tables, in each STEM layer's table alone. Where recall falls is where identity lives."""
+    from .train import entity_ids
+
+    ids = entity_ids(world, tokenizer)
+    questions = probes(world, tokenizer, "person", "train", people)
+    result = {"people": len(people), "none": accuracy(model, questions).mean().item()}
+    places = ["embedding"] + (["tables", *model.config.stem_layers] if model.config.stem_layers else [])
+    for where in places:
+        with knocked_out(model, ids, where):
+            result[where if isinstance(where, str) else f"layer_{where}"] = accuracy(model, questions).mean().item()
+    return result
+
+
+@torch.no_grad()
+def spread(stem: nn.Module, dense: nn.Module, stream: torch.Tensor) -> dict:
+    """Angular spread (|cos| between random pairs) of the STEM model's table rows for the distinct tokens of `stream`
+    against the dense model's `W_up x` over the same tokens, at the STEM layers."""
+    layers = list(stem.config.stem_layers)
+    chunks = [stream[s : s + 256] for s in range(0, len(stream) - 255, 256)][:32]
+    result = {"stem": table_spread(stem, stream), "dense": dense_up_spread(dense, chunks, layers)}
+    summary = {
+        name: {str(k): {"p95_abs_cos": v["p95_abs_cos"], "mean_abs_cos": v["mean_abs_cos"]} for k, v in s.items()}
+        for name, s in result.items()
+    }
+    return {"per_layer": summary, "histograms": result}
+
+
+__all__ = [
+    "Probe",
+    "accuracy",
+    "edit_pairs",
+    "evaluate_edits",
+    "known_people",
+    "knocked_out",
+    "localization",
+    "predict",
+    "probes",
+    "recall",
+    "spread",
+    "swapped_rows",
+]
