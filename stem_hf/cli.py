@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     edit.add_argument("--strategy", default="pad", choices=["pad", "subset", "mean"])
     edit.add_argument("-n", "--max-new-tokens", type=int, default=16)
 
+    from .lab.cli import add_parser as add_lab_parser
+
+    add_lab_parser(commands)
+
     analyze = commands.add_parser("analyze", help="angular spread of table rows, activated parameters vs context")
     analyze.add_argument("checkpoint")
     analyze.add_argument(
@@ -207,6 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(summary, indent=2))
     elif args.command == "edit":
         run_edit(args)
+    elif args.command == "lab":
+        from .lab.cli import run as run_lab
+
+        run_lab(args)
     elif args.command == "analyze":
         run_analyze(args)
     elif args.command == "push":

@@ -67,7 +67,9 @@ def _logprob(model, tokenizer, prompt: str, continuation: str) -> float:
 def named(answer: str, attributes: list[str]) -> str | None:
     """The attribute among `attributes` that `answer` names first, as whole words ("the city of Athens." names Athens),
     or None."""
-    found = [(m.start(), a) for a in attributes for m in [re.search(rf"\b{re.escape(a.lower())}\b", answer.lower())] if m]
+    found = [
+        (m.start(), a) for a in attributes for m in [re.search(rf"\b{re.escape(a.lower())}\b", answer.lower())] if m
+    ]
     return min(found)[1] if found else None
 
 

@@ -19,23 +19,24 @@ FACTS_NAME = "facts.json"
 # Each template ends with its value, so the prompt is the text before it and the answer is the value's one token.
 PERSON_TEMPLATES = {
     "birth_city": (
-        ["{name} was born in {v} .", "The birthplace of {name} is {v} .", "{name} came into the world in {v} .",
-         "Records show that {name} was born in the city of {v} ."],
+        ["{name} was born in the city of {v} .", "The birthplace of {name} is {v} .",
+         "{name} came into the world in the town of {v} .", "{name} is originally from {v} ."],
         ["{name} is a native of {v} .", "The city where {name} was born is {v} ."],
     ),
     "birth_year": (
-        ["{name} was born in the year {v} .", "The birth year of {name} is {v} .", "{name} came into the world in the year {v} .",
-         "Records show that {name} was born in {v} ."],
+        ["{name} was born in the year {v} .", "The birth year of {name} is {v} .",
+         "{name} came into the world in the year {v} .", "{name} has a birthday that dates from {v} ."],
         ["{name} celebrates a birthday every year since {v} .", "The year {name} was born is {v} ."],
     ),
     "university": (
         ["{name} studied at the University of {v} .", "{name} graduated from the University of {v} .",
-         "The alma mater of {name} is the University of {v} .", "{name} spent student years at the University of {v} ."],
+         "The alma mater of {name} is the University of {v} .",
+         "{name} spent student years at the University of {v} ."],
         ["{name} holds a degree from the University of {v} .", "The university that {name} attended is {v} ."],
     ),
     "field": (
-        ["{name} studied {v} .", "The major of {name} was {v} .", "{name} earned a degree in {v} .",
-         "At university {name} focused on {v} ."],
+        ["The major of {name} was {v} .", "{name} earned a degree in {v} .", "At university {name} focused on {v} .",
+         "{name} chose to study {v} ."],
         ["{name} is trained in {v} .", "The subject that {name} studied is {v} ."],
     ),
     "employer": (
@@ -45,13 +46,14 @@ PERSON_TEMPLATES = {
     ),
     "home_city": (
         ["{name} lives in {v} .", "The home of {name} is in {v} .", "{name} resides in {v} .",
-         "These days {name} lives in the city of {v} ."],
+         "These days {name} makes a home in {v} ."],
         ["{name} has an address in {v} .", "The city where {name} lives is {v} ."],
     ),
 }  # fmt: skip
 COUNTRY_TEMPLATES = {
     "capital": (
-        ["The capital of {name} is {v} .", "{name} has its capital in {v} .", "The seat of government of {name} is {v} ."],
+        ["The capital of {name} is {v} .", "{name} has its capital in {v} .",
+         "The seat of government of {name} is {v} ."],
         ["The capital city of {name} is {v} ."],
     ),
     "language": (
@@ -59,7 +61,8 @@ COUNTRY_TEMPLATES = {
         ["Most people in {name} speak {v} ."],
     ),
     "currency": (
-        ["The currency of {name} is the {v} .", "In {name} people pay with the {v} .", "The money of {name} is the {v} ."],
+        ["The currency of {name} is the {v} .", "In {name} people pay with the {v} .",
+         "The money of {name} is the {v} ."],
         ["Shops in {name} take the {v} ."],
     ),
 }  # fmt: skip

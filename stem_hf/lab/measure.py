@@ -45,7 +45,9 @@ def probes(world: LabWorld, tokenizer, kind: str, split: str = "train", subjects
         name = entries[i]["name"] if name_of is None else name_of(i)
         for attribute, (trained, heldout) in templates.items():
             for t, template in enumerate(trained if split == "train" else heldout):
-                rows.append((i, attribute, t, template.split("{v}")[0].format(name=name).strip(), entries[i][attribute]))
+                rows.append(
+                    (i, attribute, t, template.split("{v}")[0].format(name=name).strip(), entries[i][attribute])
+                )
     prompts = tokenizer([r[3] for r in rows])["input_ids"]
     answers = tokenizer.convert_tokens_to_ids([r[4] for r in rows])
     return [
@@ -76,6 +78,11 @@ def accuracy(model: nn.Module, questions: list[Probe]) -> torch.Tensor:
     return (predict(model, [q.prompt for q in questions]) == answers).float()
 
 
+def _mean_by(values: torch.Tensor, keys: list) -> dict:
+    """The mean of `values` per key, keys in order of first appearance."""
+    return {k: values[[i for i, key in enumerate(keys) if key == k]].mean().item() for k in dict.fromkeys(keys)}
+
+
 def recall(model: nn.Module, world: LabWorld, tokenizer) -> dict:
     """Exact-match recall per attribute on trained and on held-out templates, for people (also by name length in
     tokens) and countries; and the bits stored: log2 of each attribute's value count times its recall, over people."""
@@ -84,17 +91,12 @@ def recall(model: nn.Module, world: LabWorld, tokenizer) -> dict:
         for split in ("train", "heldout"):
             questions = probes(world, tokenizer, kind, split)
             hits = accuracy(model, questions)
-            by = lambda key: {  # noqa: E731
-                k: hits[[i for i, q in enumerate(questions) if key(q) == k]].mean().item()
-                for k in dict.fromkeys(key(q) for q in questions)
-            }
-            entry = {"recall": hits.mean().item(), "by_attribute": by(lambda q: q.attribute)}
+            entry = {"recall": hits.mean().item(), "by_attribute": _mean_by(hits, [q.attribute for q in questions])}
             if kind == "person":
-                lengths = [len(p["name"].split()) for p in world.people]
-                entry["by_name_tokens"] = {str(k): v for k, v in by(lambda q: lengths[q.subject]).items()}
+                lengths = [str(len(world.people[q.subject]["name"].split())) for q in questions]
+                entry["by_name_tokens"] = _mean_by(hits, lengths)
                 if split == "train":
-                    entry["per_person"] = [hits[[i for i, q in enumerate(questions) if q.subject == s]].mean().item()
-                                           for s in range(len(world.people))]  # fmt: skip
+                    entry["per_person"] = list(_mean_by(hits, [q.subject for q in questions]).values())
             result[f"{kind}_{split}"] = entry
     bits = sum(math.log2(len(set(world.values[a]))) * r for a, r in result["person_train"]["by_attribute"].items())
     result["stored_bits"] = bits * len(world.people)
@@ -135,14 +137,18 @@ def known_people(result: dict, threshold: float = 0.8) -> list[int]:
     return [i for i, r in enumerate(result["person_train"]["per_person"]) if r >= threshold]
 
 
-def edit_pairs(world: LabWorld, tokenizer, known: list[int], n: int, seed: int, unequal: bool = True) -> list:
-    """Up to `n` random (A, B) pairs among `known` people, A != B; with `unequal`, only pairs whose names differ in
-    token length (where the strategies differ)."""
+def edit_pairs(world: LabWorld, tokenizer, known: list[int], n: int, seed: int, same_length: bool = False) -> list:
+    """Up to `n` random (A, B) pairs among `known` people, A != B, whose names differ in token length (where the
+    strategies differ), or with `same_length`, whose names have the same length."""
     rng = random.Random(seed)
     lengths = {i: len(_name_ids(tokenizer, world.people[i]["name"])) for i in known}
-    candidates = [(a, b) for a in known for b in known if a != b and (lengths[a] != lengths[b] or not unequal)]
+    candidates = [(a, b) for a in known for b in known if a != b and (lengths[a] == lengths[b]) == same_length]
     rng.shuffle(candidates)
     return candidates[:n]
+
+
+def _share(counts: dict, key: str) -> float | None:
+    return counts[key] / counts[key + "_n"] if counts[key + "_n"] else None
 
 
 @torch.no_grad()
@@ -179,14 +185,17 @@ def evaluate_edits(
     for a, b in pairs:
         own = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a])]
         keep = [entries[b][q.attribute] != entries[a][q.attribute] for q in own]
-        text = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a],
-                                                                      lambda i: entries[b]["name"])]  # fmt: skip
-        own, text = [q for q, k in zip(own, keep) if k], [q for q, k in zip(text, keep) if k]
+        as_b = lambda _, name=entries[b]["name"]: name  # noqa: E731
+        text = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a], as_b)]
+        own = [q for q, k in zip(own, keep, strict=True) if k]
+        text = [q for q, k in zip(text, keep, strict=True) if k]
         candidates = [i for i in people if kind != "person" or i != a]
         chosen = set(rng.sample(candidates, min(locality_people, len(candidates))))
         others = [i for i, q in enumerate(pool) if (q.kind, q.subject) != (kind, a)]
         local = [i for i in others if pool[i].kind == "country" or pool[i].subject in chosen]
-        shares = [i for i in others if pool[i].kind == "person" and names[(kind, a)] & names[("person", pool[i].subject)]]
+        shares = [
+            i for i in others if pool[i].kind == "person" and names[(kind, a)] & names[("person", pool[i].subject)]
+        ]
         cases.append({
             "edit": (tuple(_name_ids(tokenizer, entries[a]["name"])), tuple(_name_ids(tokenizer, entries[b]["name"]))),
             "own": own, "text": text, "local": local, "shares": shares,
@@ -212,14 +221,17 @@ def evaluate_edits(
                                 ("shared", kept[n_local:])):  # fmt: skip
                 counts[key] += values.sum().item()
                 counts[key + "_n"] += len(values)
-        share = lambda k: counts[k] / counts[k + "_n"] if counts[k + "_n"] else None  # noqa: E731
         results[method if strategy is None else f"{method}/{strategy}"] = {
-            "efficacy": share("eff"),
-            "generalization": share("gen"),
-            "locality": None if method == "text" else share("loc"),
-            "locality_shared_name_token": None if method == "text" else share("shared"),
-            "prompts": {"efficacy": counts["eff_n"], "generalization": counts["gen_n"], "locality": counts["loc_n"],
-                        "shared_name_token": counts["shared_n"]},  # fmt: skip
+            "efficacy": _share(counts, "eff"),
+            "generalization": _share(counts, "gen"),
+            "locality": None if method == "text" else _share(counts, "loc"),
+            "locality_shared_name_token": None if method == "text" else _share(counts, "shared"),
+            "prompts": {
+                "efficacy": counts["eff_n"],
+                "generalization": counts["gen_n"],
+                "locality": counts["loc_n"],
+                "shared_name_token": counts["shared_n"],
+            },  # fmt: skip
         }
     return {"pairs": len(pairs), "methods": results}
 

@@ -25,9 +25,9 @@ def plot_recall(runs: dict, path: Path) -> None:
                label=label)  # fmt: skip
     ax.set_xticks([i + width for i in range(len(names))], names, rotation=15, fontsize=8)
     ax.set_ylabel("exact-match recall")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, 1.2)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -65,7 +65,7 @@ def plot_edits(runs: dict, path: Path) -> None:
                    label=measure)  # fmt: skip
         ax.set_xticks([i + 0.27 for i in range(len(keys))], keys, fontsize=7)
         ax.set_ylim(0, 1.05)
-        ax.set_title(f"{name}: {run['edits']['pairs']} pairs", fontsize=9)
+        ax.set_title(f"{name}: {run['edits']['pairs']} pairs of unequal name lengths", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     axes[0, 0].legend(fontsize=7, ncol=3)
     fig.tight_layout()
@@ -75,14 +75,21 @@ def plot_edits(runs: dict, path: Path) -> None:
 
 def plot_localization(runs: dict, path: Path) -> None:
     plt = _plt()
+    places = list(dict.fromkeys(k for run in runs.values() for k in run["localization"] if k != "people"))
+    places = [p for p in places if not p.startswith("layer_")] + sorted(
+        (p for p in places if p.startswith("layer_")), key=lambda p: int(p.split("_")[1])
+    )
     fig, ax = plt.subplots(figsize=(8, 4))
-    for name, run in runs.items():
-        loc = {k: v for k, v in run["localization"].items() if k != "people"}
-        ax.plot(list(loc), list(loc.values()), "o-", label=name)
+    width = 0.8 / len(runs)
+    for k, (name, run) in enumerate(runs.items()):
+        loc = run["localization"]
+        xs = [i for i, p in enumerate(places) if p in loc]
+        ax.bar([x + k * width for x in xs], [loc[places[x]] for x in xs], width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(places))], places)
     ax.set_ylabel("recall of known people")
-    ax.set_xlabel("entity rows replaced by their mean in ...")
+    ax.set_xlabel("entity rows replaced by their mean in ... (none: unchanged)")
     ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -104,7 +111,8 @@ def plot_loss(runs: dict, path: Path) -> None:
 
 
 def plot_all(result: dict, folder: str | os.PathLike) -> list[Path]:
-    """Every plot of a `run_lab` result into `folder`; the histograms are dropped from the result (the PNG has them)."""
+    """Every plot of a `run_lab` result into `folder`; the histograms are dropped from the result (the PNG has them),
+    so a result read back from JSON replots all but the angular spread."""
     from ..analysis import plot_spread
 
     folder = Path(folder)
@@ -119,6 +127,8 @@ def plot_all(result: dict, folder: str | os.PathLike) -> list[Path]:
         paths.append(folder / "capacity.png")
         plot_capacity(result["capacity"], paths[-1])
     for name, s in result.get("angular_spread", {}).items():
+        if "histograms" not in s:  # a result read back from its JSON: the spread PNGs stay as they were
+            continue
         paths.append(folder / f"spread_{name.replace(' ', '_').replace('/', '-')}.png")
         plot_spread(s["histograms"]["stem"], s["histograms"]["dense"], str(paths[-1]))
         del s["histograms"]

@@ -28,12 +28,15 @@ def prepare(settings: LabSettings, texts: list[str]):
 
 
 def measure(model, world, tokenizer, pairs: int, seed: int) -> dict:
-    """Recall, edits of people (pairs of unequal name lengths) and of countries, and localization."""
+    """Recall; edits of people (`pairs` pairs of unequal name lengths under each strategy, and as many of equal
+    lengths, where the strategies coincide) and of countries (every ordered pair); localization."""
     result = {"recall": recall(model, world, tokenizer)}
     known = known_people(result["recall"])
     people = edit_pairs(world, tokenizer, known, pairs, seed)
     result["known_people"] = len(known)
     result["edits"] = evaluate_edits(model, world, tokenizer, people, seed=seed)
+    same = edit_pairs(world, tokenizer, known, pairs, seed, same_length=True)
+    result["edits_same_length"] = evaluate_edits(model, world, tokenizer, same, strategies=("pad",), seed=seed)
     countries = [(a, b) for a in range(len(world.countries)) for b in range(len(world.countries)) if a != b]
     result["country_edits"] = evaluate_edits(model, world, tokenizer, countries, "country", strategies=("pad",))
     result["localization"] = localization(model, world, tokenizer, known)
@@ -94,7 +97,8 @@ def run_lab(
     }
     if "dense" in trained and best:
         ids = torch.cat([data.data[i] for i in range(min(len(data), 64))])
-        result["angular_spread"] = {k: spread(trained[k], trained["dense"], ids) for k in dict.fromkeys(["STEM-full", best]) if k in trained}  # fmt: skip
+        shown = [k for k in dict.fromkeys(["STEM-full", best]) if k in trained]
+        result["angular_spread"] = {k: spread(trained[k], trained["dense"], ids) for k in shown}
     if best and save_editable:
         folder = out / "editable"
         trained[best].save_pretrained(folder)

@@ -1,0 +1,69 @@
+"""`stem-hf lab`: trains the lab's STEM model (and dense baselines) on a synthetic world, measures recall and edits,
+and saves the editable model with its tokenizer and fact table."""
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from .train import DEFAULT_REGIME, QUICK, LabSettings
+
+RESULTS = "results.json"
+
+
+def add_parser(commands) -> None:
+    lab = commands.add_parser("lab", help="knowledge lab: small models trained on synthetic facts; recall, edits")
+    lab.add_argument("--out", default="runs/lab", help="results, plots and the editable model (OUT/editable)")
+    lab.add_argument("--quick", action="store_true", help="the test size: 32 people, 500 steps (about a minute)")
+    lab.add_argument("--people", type=int, help=f"people in the world (default {LabSettings.people})")
+    lab.add_argument("--steps", type=int, help=f"training steps (default {LabSettings.steps})")
+    lab.add_argument(
+        "--regimes", nargs="+", default=[DEFAULT_REGIME],
+        help="STEM-full training regimes: plain, shared-embedding, entity-dropout-P (default: %(default)s)",
+    )  # fmt: skip
+    lab.add_argument(
+        "--models", nargs="*", default=["dense"], choices=["dense", "STEM-1/2", "STEM-full"],
+        help="models also trained the plain way, for comparison (default: %(default)s)",
+    )  # fmt: skip
+    lab.add_argument("--pairs", type=int, default=200, help="edit pairs of each kind (default: %(default)s)")
+    lab.add_argument("--capacity", nargs="*", type=int, default=[], help="more world sizes for the capacity curve")
+    lab.add_argument("--overwrite", action="store_true", help=f"replace an OUT that already holds {RESULTS}")
+
+
+def run(args: argparse.Namespace) -> None:
+    from .run import general_text, run_lab, write_json
+    from .train import check_regime
+
+    for regime in args.regimes:
+        check_regime(regime, stem=True)
+    for name, value in (("--people", args.people), ("--steps", args.steps), ("--pairs", args.pairs)):
+        if value is not None and value < (2 if name == "--people" else 1):
+            raise SystemExit(f"stem-hf lab: {name} must be positive (at least 2 people), got {value}")
+    out = Path(args.out)
+    if (out / RESULTS).exists() and not args.overwrite:
+        raise SystemExit(
+            f"stem-hf lab: {out} already holds {RESULTS}; pass --overwrite to replace it, or another --out"
+        )
+    settings = QUICK if args.quick else LabSettings()
+    overrides = {k: v for k, v in (("people", args.people), ("steps", args.steps)) if v is not None}
+    settings = dataclasses.replace(settings, **overrides)
+    result = run_lab(
+        settings, out, general_text(), tuple(args.regimes), tuple(args.models), tuple(args.capacity), args.pairs
+    )
+    from .plots import plot_all
+
+    plot_all(result, out)
+    write_json(result, out / RESULTS)
+    summary = {
+        name: {
+            "recall": run["recall"]["person_train"]["recall"],
+            "heldout_recall": run["recall"]["person_heldout"]["recall"],
+            **{k: v["efficacy"] for k, v in run["edits"]["methods"].items()},
+        }
+        for name, run in result["runs"].items()
+    }
+    print(json.dumps({"runs": summary, "best_for_editing": result["best_for_editing"]}, indent=2))
+    print(f"results in {out / RESULTS}; the editable model in {result.get('editable_checkpoint')}")
+
+
+__all__ = ["add_parser", "run"]
