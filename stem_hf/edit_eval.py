@@ -79,12 +79,14 @@ def next_token_logprobs(model, tokenizer, prompt: str) -> torch.Tensor:
     return model(ids).logits[0, -1].float().log_softmax(-1)
 
 
-def divergence_closed(edited: torch.Tensor, unedited: torch.Tensor, target: torch.Tensor) -> float:
-    """1 - KL(edited || target) / KL(unedited || target), from next-token log-probabilities: the share of the gap
-    between the source prompt's distribution and the target prompt's that an edit closes (1: the edited model answers
-    the source prompt as it answers the target's; 0: unchanged; below 0: further away). Needs no known facts."""
-    kl = lambda p, q: (p.exp() * (p - q)).sum().item()  # noqa: E731
-    return 1.0 - kl(edited, target) / kl(unedited, target)
+def divergence_closed(edited: torch.Tensor, unedited: torch.Tensor, target: torch.Tensor) -> float | torch.Tensor:
+    """1 - KL(edited || target) / KL(unedited || target), from next-token log-probabilities (the last dimension): the
+    share of the gap between the source prompt's distribution and the target prompt's that an edit closes (1: the
+    edited model answers the source prompt as it answers the target's; 0: unchanged; below 0: further away). Needs no
+    known facts. A float for one distribution, a tensor for a batch."""
+    kl = lambda p, q: (p.exp() * (p - q)).sum(-1)  # noqa: E731
+    closed = 1.0 - kl(edited, target) / kl(unedited, target)
+    return closed.item() if closed.ndim == 0 else closed
 
 
 @torch.no_grad()

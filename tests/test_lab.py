@@ -63,6 +63,10 @@ def test_a_row_swap_moves_facts_that_live_in_the_rows(in_tables):
     result = evaluate_edits(model, world, tokenizer, pairs, strategies=("pad",))["methods"]
     assert result["tables/pad"]["efficacy"] >= 0.9
     assert result["tables/pad"]["locality"] >= 0.95
+    # Here the edited input is exactly B's (same embedding row, B's table rows): the divergence closes entirely.
+    assert (
+        result["tables/pad"]["divergence_closed"] >= 0.99 and abs(result["embedding/pad"]["divergence_closed"]) <= 0.01
+    )
     # The same code measures the baselines: the names' embedding rows are one row, so swapping them does nothing.
     assert result["embedding/pad"]["efficacy"] <= 0.05
     assert result["embedding/pad"]["locality"] == 1.0

@@ -17,6 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..analysis import dense_up_spread, table_spread
+from ..edit_eval import divergence_closed
 from ..editing import STRATEGIES, StemEdit, persist_edit, write_edited_rows
 from .corpus import LabWorld
 
@@ -57,9 +58,9 @@ def probes(world: LabWorld, tokenizer, kind: str, split: str = "train", subjects
 
 
 @torch.no_grad()
-def predict(model: nn.Module, prompts: list[tuple[int, ...]], batch_size: int = 512) -> torch.Tensor:
-    """The greedy next token after each prompt. Prompts are right-padded: causal attention keeps the padding out of
-    each prompt's last position."""
+def next_token_logprobs(model: nn.Module, prompts: list[tuple[int, ...]], batch_size: int = 512) -> torch.Tensor:
+    """`[len(prompts), vocab]` log-probabilities of the token after each prompt. Prompts are right-padded: causal
+    attention keeps the padding out of each prompt's last position."""
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -68,8 +69,13 @@ def predict(model: nn.Module, prompts: list[tuple[int, ...]], batch_size: int = 
         for row, p in enumerate(chunk):
             ids[row, : len(p)] = torch.tensor(p)
         logits = model(ids.to(model.device), logits_to_keep=0).logits
-        out.append(logits[torch.arange(len(chunk)), lengths.to(logits.device) - 1].argmax(-1).cpu())
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+        out.append(logits[torch.arange(len(chunk)), lengths.to(logits.device) - 1].float().log_softmax(-1).cpu())
+    return torch.cat(out) if out else torch.zeros(0, model.config.vocab_size)
+
+
+def predict(model: nn.Module, prompts: list[tuple[int, ...]]) -> torch.Tensor:
+    """The greedy next token after each prompt."""
+    return next_token_logprobs(model, prompts).argmax(-1)
 
 
 def accuracy(model: nn.Module, questions: list[Probe]) -> torch.Tensor:
@@ -165,6 +171,8 @@ def evaluate_edits(
 ) -> dict:
     """Edits A -> B for each pair and measures, over A's prompts whose answer differs for B:
     - efficacy: the share answered with B's value on trained templates; generalization: on held-out templates;
+    - divergence closed: the mean over A's prompts of `edit_eval.divergence_closed`, the edited model's next-token
+      distribution against the unedited model's on the same prompt with B's name (the model-agnostic efficacy);
     - locality: the share of other subjects' prompts (trained templates, `locality_people` random people and every
       country, none of them A) whose answer stays the unedited model's; and the same over the people among them who
       share a name token with A, where a persisted row edit can leak;
@@ -201,19 +209,27 @@ def evaluate_edits(
             "own": own, "text": text, "local": local, "shares": shares,
             "targets": torch.tensor(tokenizer.convert_tokens_to_ids([entries[b][q.attribute] for q in own])),
             "train": torch.tensor([q.split == "train" for q in own], dtype=torch.bool),
+            "unedited": next_token_logprobs(model, [q.prompt for q in own]),
+            "target": next_token_logprobs(model, [q.prompt for q in text]),
         })  # fmt: skip
     results = {}
     runs = [(m, s) for m in methods if m != "text" for s in strategies] + [("text", None)] * ("text" in methods)
     for method, strategy in tqdm(runs, desc=f"{kind} edits", leave=False):
-        counts = dict.fromkeys(("eff", "eff_n", "gen", "gen_n", "loc", "loc_n", "shared", "shared_n"), 0)
+        counts = dict.fromkeys(("eff", "gen", "loc", "shared", "div"), 0) | {
+            k + "_n": 0 for k in ("eff", "gen", "loc", "shared", "div")
+        }
         for case in cases:
             own = case["text" if method == "text" else "own"]
             prompts = [q.prompt for q in own] + [pool[i].prompt for i in case["local"] + case["shares"]]
             if method == "text":
-                answers = predict(model, prompts)
+                logprobs = next_token_logprobs(model, prompts)
             else:
                 with swapped_rows(model, StemEdit(*case["edit"], strategy), method):
-                    answers = predict(model, prompts)
+                    logprobs = next_token_logprobs(model, prompts)
+                closed = divergence_closed(logprobs[: len(own)], case["unedited"], case["target"])
+                counts["div"] += closed[closed.isfinite()].sum().item()  # not where A's and B's prompts agree
+                counts["div_n"] += closed.isfinite().sum().item()
+            answers = logprobs.argmax(-1)
             hit, train = answers[: len(own)] == case["targets"], case["train"]
             kept = answers[len(own) :] == base_pool[case["local"] + case["shares"]]
             n_local = len(case["local"])
@@ -224,6 +240,7 @@ def evaluate_edits(
         results[method if strategy is None else f"{method}/{strategy}"] = {
             "efficacy": _share(counts, "eff"),
             "generalization": _share(counts, "gen"),
+            "divergence_closed": None if method == "text" else _share(counts, "div"),
             "locality": None if method == "text" else _share(counts, "loc"),
             "locality_shared_name_token": None if method == "text" else _share(counts, "shared"),
             "prompts": {
