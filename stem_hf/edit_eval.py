@@ -2,11 +2,12 @@
 (efficacy), and leave other countries' answers alone (locality)? Pairs written for this project."""
 
 import re
+from collections.abc import Sequence
 
 import torch
 from tqdm import tqdm
 
-from .editing import STRATEGIES, StemEdit, StemEditor, persist_edit
+from .editing import STRATEGIES, StemEdit, StemEditor, persisted
 
 # (subject, attribute): countries and their capitals.
 CAPITALS = [
@@ -74,9 +75,23 @@ def named(answer: str, attributes: list[str]) -> str | None:
 
 
 @torch.no_grad()
-def next_token_logprobs(model, tokenizer, prompt: str) -> torch.Tensor:
-    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-    return model(ids).logits[0, -1].float().log_softmax(-1)
+def next_token_logprobs(model, prompts: list[Sequence[int]], batch_size: int = 512) -> torch.Tensor:
+    """`[len(prompts), vocab]` log-probabilities of the token after each prompt (token ids). Prompts are right-padded:
+    causal attention keeps the padding out of each prompt's last position."""
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        lengths = torch.tensor([len(p) for p in chunk])
+        ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long)
+        for row, p in enumerate(chunk):
+            ids[row, : len(p)] = torch.tensor(p)
+        logits = model(ids.to(model.device), logits_to_keep=0).logits
+        out.append(logits[torch.arange(len(chunk)), lengths.to(logits.device) - 1].float().log_softmax(-1).cpu())
+    return torch.cat(out) if out else torch.zeros(0, model.config.vocab_size)
+
+
+def _prompt_logprobs(model, tokenizer, prompt: str) -> torch.Tensor:
+    return next_token_logprobs(model, [tokenizer(prompt)["input_ids"]])[0]
 
 
 def divergence_closed(edited: torch.Tensor, unedited: torch.Tensor, target: torch.Tensor) -> float | torch.Tensor:
@@ -116,14 +131,13 @@ def evaluate_edits(
     base = {s: _answer(model, tokenizer, PROMPT.format(subject=s), new_tokens) for s, _ in tqdm(pairs, desc="baseline")}
     attributes = [a for _, a in pairs]
     known = {s: named(base[s], attributes) == a for s, a in pairs}
-    logprobs = {s: next_token_logprobs(model, tokenizer, PROMPT.format(subject=s)) for s, _ in pairs}
+    logprobs = {s: _prompt_logprobs(model, tokenizer, PROMPT.format(subject=s)) for s, _ in pairs}
     result = {
         "pairs": len(pairs),
         "baseline_accuracy": sum(known.values()) / len(pairs),
         "baseline_answers": base,
         "strategies": {},
     }
-    tables = model.base_model.stem_tables
     for strategy in strategies:
         hits, known_hits, known_total, kept, kept_total, examples = 0, 0, 0, 0, 0, []
         prefer_before = prefer_after = 0
@@ -137,7 +151,7 @@ def evaluate_edits(
             )
             with StemEditor(model, [edit]):
                 answer = _answer(model, tokenizer, prompt, new_tokens)
-                closed.append(divergence_closed(next_token_logprobs(model, tokenizer, prompt), logprobs[subject],
+                closed.append(divergence_closed(_prompt_logprobs(model, tokenizer, prompt), logprobs[subject],
                                                 logprobs[target]))  # fmt: skip
                 gap_after = _logprob(model, tokenizer, prompt, " " + target_attribute) - _logprob(
                     model, tokenizer, prompt, " " + attribute
@@ -159,17 +173,11 @@ def evaluate_edits(
                     }
                 )
             # Locality of the persisted form: rows of the source tokens rewritten, other prompts asked.
-            rows = list(edit.source)
-            saved = {k: t.weight.detach()[rows].clone() for k, t in tables.items()}  # only what persist_edit writes
-            try:
-                persist_edit(model, edit)
+            with persisted(model, edit):
                 others = [pairs[(i + k) % len(pairs)][0] for k in range(2, 2 + locality_prompts)]
                 for other in others:
                     kept += _answer(model, tokenizer, PROMPT.format(subject=other), new_tokens) == base[other]
                     kept_total += 1
-            finally:
-                for k, t in tables.items():
-                    t.weight.data[rows] = saved[k]
         result["strategies"][strategy] = {
             "divergence_closed": sum(closed) / len(closed),
             "efficacy_score": prefer_after / len(pairs),

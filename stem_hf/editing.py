@@ -7,7 +7,7 @@ Length mismatches between source (n tokens) and target (m tokens):
 - `mean`: every source position gets the mean of the target's rows (a row override, not an id swap).
 
 Apply per call (`stem_input_ids` from `edited_ids`), as a reversible context manager (`StemEditor`, a forward hook on
-the model's tables), or persisted into the tables (`persist_edit`, then `save_pretrained`).
+the model's tables), or persisted into the tables (`persist_edit`, then `save_pretrained`; `persisted` for a block).
 """
 
 from collections.abc import Iterator, Sequence
@@ -211,6 +211,24 @@ def write_edited_rows(weight: torch.Tensor, edit: StemEdit) -> None:
 
 
 @contextmanager
+def persisted(model: nn.Module, edit: StemEdit) -> Iterator[None]:
+    """`persist_edit` for the duration of a `with` block, then the source rows and the model's save id exactly as they
+    were: to measure what a persisted edit does (to prompts without the source, say) and leave the model unchanged."""
+    rows = list(edit.source)
+    tables = model.base_model.stem_tables
+    saved = {k: t.weight.detach()[rows].clone() for k, t in tables.items()}  # only what persist_edit writes
+    save_id = getattr(model, "stem_save_id", None)
+    try:
+        persist_edit(model, edit)
+        yield
+    finally:
+        with torch.no_grad():
+            for k, t in tables.items():
+                t.weight[rows] = saved[k]
+        model.stem_save_id = save_id
+
+
+@contextmanager
 def edited(model: nn.Module, tokenizer, source: str, target: str, strategy: str = "pad") -> Iterator[StemEditor]:
     """`with edited(model, tokenizer, " France", " Germany"): ...`: one text edit as a reversible context."""
     with StemEditor(model, [StemEdit.from_text(tokenizer, source, target, strategy)]) as editor:
@@ -226,5 +244,6 @@ __all__ = [
     "edited_ids",
     "find_occurrences",
     "persist_edit",
+    "persisted",
     "write_edited_rows",
 ]

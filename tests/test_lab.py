@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from stem_hf.edit_eval import divergence_closed, named
-from stem_hf.lab.corpus import COUNTRY_TEMPLATES, PERSON_TEMPLATES, LabWorld, build_tokenizer, make_world
-from stem_hf.lab.measure import edit_pairs, evaluate_edits, known_people, localization, recall
+from stem_hf.editing import StemEdit
+from stem_hf.lab.corpus import COUNTRY_TEMPLATES, PERSON_TEMPLATES, LabWorld, build_tokenizer, documents, make_world
+from stem_hf.lab.measure import edit_pairs, evaluate_edits, known_people, localization, recall, swapped_rows
 from stem_hf.lab.train import (
     QUICK,
     Blocks,
@@ -86,18 +87,26 @@ def test_unequal_name_lengths_run_under_each_strategy(plain):
     for key, measures in result["methods"].items():
         assert 0.0 <= measures["efficacy"] <= 1.0, key
         assert measures["prompts"]["efficacy"] > 0
-    # A persisted edit of a name rewrites rows its words share with other names: locality can fail there.
-    assert result["methods"]["tables/pad"]["prompts"]["shared_name_token"] > 0
+    # A persisted edit of a name rewrites rows its words share with other names: locality fails there.
+    assert result["methods"]["both/pad"]["prompts"]["shared_name_token"] > 0
+    assert result["methods"]["both/pad"]["locality_shared_name_token"] < 1.0
 
 
 def test_the_edits_leave_the_model_as_it_was(plain):
     model, world, tokenizer, _ = plain
+    model.stem_save_id = "saved-id"
     before = {k: v.clone() for k, v in model.state_dict().items()}
     embedding = model.get_input_embeddings()
     evaluate_edits(model, world, tokenizer, [(0, 2)], locality_people=2)
     localization(model, world, tokenizer, [0, 1])
     assert model.get_input_embeddings() is embedding
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.stem_save_id == "saved-id"  # the rows are the saved ones again
+    with pytest.raises(ValueError, match="where must be"):
+        with swapped_rows(model, StemEdit((5,), (6,)), "table"):
+            pass
+    with pytest.raises(ValueError, match="kind must be"):
+        evaluate_edits(model, world, tokenizer, [(0, 2)], kind="people")
 
 
 def test_the_fact_table_round_trips(tmp_path):
@@ -142,10 +151,28 @@ def test_bad_lab_settings_are_named():
     with pytest.raises(ValueError, match="dense model"):
         check_regime("entity-dropout-0.5", stem=False)
     assert check_regime("entity-dropout-0.25", stem=True) == 0.25
-    with pytest.raises(ValueError, match="people"):
+    with pytest.raises(ValueError, match="at least 2 people"):
         make_world(1)
+    with pytest.raises(ValueError, match="general text with words"):
+        documents(make_world(4), [" "], 100, 0.5, seed=0)
     with pytest.raises(ValueError, match="name_lengths"):
         make_world(10, name_lengths=(4,))
+
+
+def test_the_lab_command_refuses_bad_input_before_training(tmp_path):
+    from stem_hf.cli import main
+
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(SystemExit, match="already holds results.json"):
+        main(["lab", "--out", str(tmp_path)])
+    assert (tmp_path / "results.json").read_text() == "{}"  # nothing lost
+    with pytest.raises(SystemExit, match="unknown regime 'dropout'"):
+        main(["lab", "--out", str(tmp_path / "new"), "--regimes", "dropout"])
+    with pytest.raises(SystemExit, match="--steps must be at least 1"):
+        main(["lab", "--out", str(tmp_path / "new"), "--steps", "0"])
+    with pytest.raises(SystemExit, match="at least 2 people"):
+        main(["lab", "--out", str(tmp_path / "new"), "--capacity", "1"])
+    assert not (tmp_path / "new").exists()
 
 
 def test_edit_answers_are_named_by_whole_words_and_divergence_is_a_share():

@@ -14,7 +14,7 @@ RESULTS = "results.json"
 def add_parser(commands) -> None:
     lab = commands.add_parser("lab", help="knowledge lab: small models trained on synthetic facts; recall, edits")
     lab.add_argument("--out", default="runs/lab", help="results, plots and the editable model (OUT/editable)")
-    lab.add_argument("--quick", action="store_true", help="the test size: 32 people, 500 steps (about a minute)")
+    lab.add_argument("--quick", action="store_true", help=f"the test size: {QUICK.people} people, {QUICK.steps} steps")
     lab.add_argument("--people", type=int, help=f"people in the world (default {LabSettings.people})")
     lab.add_argument("--steps", type=int, help=f"training steps (default {LabSettings.steps})")
     lab.add_argument(
@@ -31,14 +31,17 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from .run import general_text, run_lab, write_json
-    from .train import check_regime
+    from .plots import require_matplotlib
+    from .run import check_lab_args, general_text, run_lab, write_json
 
-    for regime in args.regimes:
-        check_regime(regime, stem=True)
-    for name, value in (("--people", args.people), ("--steps", args.steps), ("--pairs", args.pairs)):
+    for name, value in (("--people", args.people), ("--steps", args.steps)):
         if value is not None and value < (2 if name == "--people" else 1):
-            raise SystemExit(f"stem-hf lab: {name} must be positive (at least 2 people), got {value}")
+            raise SystemExit(f"stem-hf lab: {name} must be at least {2 if name == '--people' else 1}, got {value}")
+    try:
+        check_lab_args(args.regimes, args.models, args.capacity, args.pairs)
+        require_matplotlib()
+    except (ValueError, ImportError) as error:
+        raise SystemExit(f"stem-hf {error}") from None
     out = Path(args.out)
     if (out / RESULTS).exists() and not args.overwrite:
         raise SystemExit(

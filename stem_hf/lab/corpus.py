@@ -144,8 +144,8 @@ def make_world(people: int, seed: int = 0, countries: int = 16, name_lengths: tu
     """`people` fictional individuals, their names cycling through `name_lengths` words; first and last names come from
     pools smaller than the number of people, so longer names share words with others (which an edit must not touch).
     One-word names are unique words."""
-    if people < 2:
-        raise ValueError(f"lab: people must be at least 2, got {people}")
+    if people < 2 or countries < 2:
+        raise ValueError(f"lab: a world needs at least 2 people and 2 countries, got {people} and {countries}")
     if any(n not in (1, 2, 3) for n in name_lengths) or not name_lengths:
         raise ValueError(f"lab: name_lengths must be drawn from 1, 2 and 3, got {name_lengths}")
     rng = random.Random(seed)
@@ -235,8 +235,8 @@ def documents(world: LabWorld, general_texts: list[str], tokens: int, general_sh
     every ten biographies)."""
     if not 0 <= general_share < 1:
         raise ValueError(f"lab: general_share must be in [0, 1), got {general_share}")
-    if general_share > 0 and not general_texts:
-        raise ValueError("lab: general_share > 0 needs general text")
+    if general_share > 0 and not any(t.split() for t in general_texts):
+        raise ValueError("lab: general_share > 0 needs general text with words in it")
     rng = random.Random(seed)
     docs, fact_words, bios = [], 0, 0
     while fact_words < tokens * (1 - general_share):

@@ -9,7 +9,7 @@ every training document does.
 import math
 import random
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +17,8 @@ from torch import nn
 from tqdm import tqdm
 
 from ..analysis import dense_up_spread, table_spread
-from ..edit_eval import divergence_closed
-from ..editing import STRATEGIES, StemEdit, persist_edit, write_edited_rows
+from ..edit_eval import divergence_closed, next_token_logprobs
+from ..editing import STRATEGIES, StemEdit, persisted, write_edited_rows
 from .corpus import LabWorld
 
 
@@ -55,22 +55,6 @@ def probes(world: LabWorld, tokenizer, kind: str, split: str = "train", subjects
         Probe(kind, i, attribute, split, t, tuple(p), a)
         for (i, attribute, t, _, _), p, a in zip(rows, prompts, answers, strict=True)
     ]
-
-
-@torch.no_grad()
-def next_token_logprobs(model: nn.Module, prompts: list[tuple[int, ...]], batch_size: int = 512) -> torch.Tensor:
-    """`[len(prompts), vocab]` log-probabilities of the token after each prompt. Prompts are right-padded: causal
-    attention keeps the padding out of each prompt's last position."""
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        lengths = torch.tensor([len(p) for p in chunk])
-        ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long)
-        for row, p in enumerate(chunk):
-            ids[row, : len(p)] = torch.tensor(p)
-        logits = model(ids.to(model.device), logits_to_keep=0).logits
-        out.append(logits[torch.arange(len(chunk)), lengths.to(logits.device) - 1].float().log_softmax(-1).cpu())
-    return torch.cat(out) if out else torch.zeros(0, model.config.vocab_size)
 
 
 def predict(model: nn.Module, prompts: list[tuple[int, ...]]) -> torch.Tensor:
@@ -110,28 +94,34 @@ def recall(model: nn.Module, world: LabWorld, tokenizer) -> dict:
     return result
 
 
+METHODS = ("tables", "embedding", "both", "text")
+
+
+@contextmanager
+def _input_embedding_copy(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The model reads a copy of its input embedding, whose weight the block may change, until the block ends; a tied
+    output head keeps the original rows."""
+    embed = model.get_input_embeddings()
+    copy = nn.Embedding.from_pretrained(embed.weight.detach().clone(), freeze=True, padding_idx=embed.padding_idx)
+    model.set_input_embeddings(copy)
+    try:
+        yield copy.weight
+    finally:
+        model.set_input_embeddings(embed)
+
+
 @contextmanager
 def swapped_rows(model: nn.Module, edit: StemEdit, where: str) -> Iterator[None]:
     """The model with `edit` written into its table rows (`tables`, the paper's edit, persisted in every context), its
-    input-embedding rows (`embedding`, the baseline; on a copy, so a tied output head keeps its rows), or `both`;
-    restored exactly on exit."""
-    saved = {}
-    if where in ("tables", "both"):
-        tables = model.base_model.stem_tables
-        saved = {k: t.weight.detach()[list(edit.source)].clone() for k, t in tables.items()}
-        persist_edit(model, edit)
-    embed = model.get_input_embeddings()
-    if where in ("embedding", "both"):
-        copy = nn.Embedding.from_pretrained(embed.weight.detach().clone(), freeze=True, padding_idx=embed.padding_idx)
-        write_edited_rows(copy.weight, edit)
-        model.set_input_embeddings(copy)
-    try:
+    input-embedding rows (`embedding`, the baseline), or `both`; exactly as it was on exit."""
+    if where not in METHODS[:3]:
+        raise ValueError(f"swapped_rows: where must be one of {', '.join(METHODS[:3])}, got {where!r}")
+    with ExitStack() as stack:
+        if where in ("tables", "both"):
+            stack.enter_context(persisted(model, edit))
+        if where in ("embedding", "both"):
+            write_edited_rows(stack.enter_context(_input_embedding_copy(model)), edit)
         yield
-    finally:
-        model.set_input_embeddings(embed)
-        with torch.no_grad():
-            for k, rows in saved.items():
-                model.base_model.stem_tables[k].weight[list(edit.source)] = rows
 
 
 def _name_ids(tokenizer, name: str) -> tuple[int, ...]:
@@ -180,7 +170,12 @@ def evaluate_edits(
     `text` (B's name written in place of A's: the upper bound; the model is unchanged, so it has no locality).
     Methods with rows run under each strategy; `text` once."""
     stem = bool(model.config.stem_layers)
-    methods = methods or (("tables", "embedding", "both", "text") if stem else ("embedding", "text"))
+    methods = methods or (METHODS if stem else ("embedding", "text"))
+    if kind not in ("person", "country"):
+        raise ValueError(f"evaluate_edits: kind must be 'person' or 'country', got {kind!r}")
+    unknown = [m for m in methods if m not in METHODS or (m in ("tables", "both") and not stem)]
+    if unknown or any(s not in STRATEGIES for s in strategies):
+        raise ValueError(f"evaluate_edits: methods {methods} / strategies {strategies}: not all apply to this model")
     entries = world.people if kind == "person" else world.countries
     rng = random.Random(seed)
     pool = probes(world, tokenizer, "person", "train") + probes(world, tokenizer, "country", "train")
@@ -257,15 +252,16 @@ def evaluate_edits(
 def knocked_out(model: nn.Module, ids: torch.Tensor, where: str | int) -> Iterator[None]:
     """The rows of `ids` replaced by their mean: in the input embedding (`embedding`, on a copy), in every table
     (`tables`), or in the table of one STEM layer (an int)."""
-    weights = []
     if where == "embedding":
-        embed = model.get_input_embeddings()
-        copy = nn.Embedding.from_pretrained(embed.weight.detach().clone(), freeze=True, padding_idx=embed.padding_idx)
-        copy.weight[ids] = copy.weight[ids].mean(dim=0)
-        model.set_input_embeddings(copy)
-    else:
-        layers = model.config.stem_layers if where == "tables" else [where]
-        weights = [model.base_model.stem_tables[str(layer)].weight for layer in layers]
+        with _input_embedding_copy(model) as weight:
+            with torch.no_grad():
+                weight[ids] = weight[ids].mean(dim=0)
+            yield
+        return
+    if where != "tables" and where not in model.config.stem_layers:
+        raise ValueError(f"knocked_out: where must be 'embedding', 'tables' or a STEM layer, got {where!r}")
+    layers = model.config.stem_layers if where == "tables" else [where]
+    weights = [model.base_model.stem_tables[str(layer)].weight for layer in layers]
     saved = [w.detach()[ids].clone() for w in weights]
     with torch.no_grad():
         for w in weights:
@@ -273,8 +269,6 @@ def knocked_out(model: nn.Module, ids: torch.Tensor, where: str | int) -> Iterat
     try:
         yield
     finally:
-        if where == "embedding":
-            model.set_input_embeddings(embed)
         with torch.no_grad():
             for w, rows in zip(weights, saved, strict=True):
                 w[ids] = rows
@@ -301,7 +295,9 @@ def spread(stem: nn.Module, dense: nn.Module, stream: torch.Tensor) -> dict:
     """Angular spread (|cos| between random pairs) of the STEM model's table rows for the distinct tokens of `stream`
     against the dense model's `W_up x` over the same tokens, at the STEM layers."""
     layers = list(stem.config.stem_layers)
-    chunks = [stream[s : s + 256] for s in range(0, len(stream) - 255, 256)][:32]
+    length = dense.config.max_position_embeddings - 1  # positions the models were trained on, after <s>
+    bos = torch.tensor([dense.config.bos_token_id])
+    chunks = [torch.cat([bos, stream[s : s + length]]) for s in range(0, len(stream) - length + 1, length)]
     result = {"stem": table_spread(stem, stream), "dense": dense_up_spread(dense, chunks, layers)}
     summary = {
         name: {str(k): {"p95_abs_cos": v["p95_abs_cos"], "mean_abs_cos": v["mean_abs_cos"]} for k, v in s.items()}
@@ -311,6 +307,7 @@ def spread(stem: nn.Module, dense: nn.Module, stream: torch.Tensor) -> dict:
 
 
 __all__ = [
+    "METHODS",
     "Probe",
     "accuracy",
     "edit_pairs",
@@ -318,6 +315,7 @@ __all__ = [
     "known_people",
     "knocked_out",
     "localization",
+    "next_token_logprobs",
     "predict",
     "probes",
     "recall",

@@ -4,6 +4,14 @@ import os
 from pathlib import Path
 
 
+def require_matplotlib() -> None:
+    """Raises before any training where the plots could not be drawn at its end."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("lab: the plots need matplotlib (pip install 'stem-hf[demo]')")
+
+
 def _plt():
     import matplotlib
 
@@ -135,4 +143,12 @@ def plot_all(result: dict, folder: str | os.PathLike) -> list[Path]:
     return paths
 
 
-__all__ = ["plot_all", "plot_capacity", "plot_edits", "plot_localization", "plot_loss", "plot_recall"]
+__all__ = [
+    "require_matplotlib",
+    "plot_all",
+    "plot_capacity",
+    "plot_edits",
+    "plot_localization",
+    "plot_loss",
+    "plot_recall",
+]

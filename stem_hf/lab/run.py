@@ -46,16 +46,24 @@ def measure(model, world, tokenizer, pairs: int, seed: int) -> dict:
 
 
 def pick_regime(runs: dict) -> str:
-    """The run whose table-row edits work best: the highest mean over strategies of efficacy x locality, among runs
-    whose trained-template recall is at least half the best recall."""
+    """The run whose facts move with its table rows: the highest efficacy of a row swap between names of equal length,
+    among runs whose trained-template recall is at least half the best recall."""
     best_recall = max(r["recall"]["person_train"]["recall"] for r in runs.values())
-
-    def score(run: dict) -> float:
-        rows = [m for k, m in run["edits"]["methods"].items() if k.startswith("tables/") and m["efficacy"] is not None]
-        return sum(m["efficacy"] * m["locality"] for m in rows) / len(rows) if rows else -1.0
-
     eligible = {k: r for k, r in runs.items() if r["recall"]["person_train"]["recall"] >= best_recall / 2}
-    return max(eligible, key=lambda k: score(eligible[k]))
+    return max(eligible, key=lambda k: eligible[k]["edits_same_length"]["methods"]["tables/pad"]["efficacy"] or 0.0)
+
+
+def check_lab_args(regimes, models, capacity_people, pairs: int) -> None:
+    """Raises on what would otherwise fail (or go wrong quietly) after the first model has trained."""
+    for regime in regimes:
+        check_regime(regime, stem=True)
+    unknown = [m for m in models if m not in ("dense", "STEM-1/2", "STEM-full")]
+    if unknown:
+        raise ValueError(f"lab: unknown model {unknown[0]!r}: dense, STEM-1/2 or STEM-full")
+    if any(n < 2 for n in capacity_people):
+        raise ValueError(f"lab: every capacity world needs at least 2 people, got {list(capacity_people)}")
+    if pairs < 1:
+        raise ValueError(f"lab: pairs must be at least 1, got {pairs}")
 
 
 def run_lab(
@@ -68,18 +76,17 @@ def run_lab(
     pairs: int = 200,
     save_editable: bool = True,
 ) -> dict:
-    """Trains `models` (plain) and STEM-full under each other regime of `regimes` on one world of `settings.people`,
+    """Trains `models` (plain) and STEM-full under each regime of `regimes` on one world of `settings.people`,
     measures each, then trains `models` plain on worlds of `capacity_people` people for the capacity curve. Saves the
     STEM-full model of the best regime (`pick_regime`) to `out/editable` with its tokenizer and `facts.json`."""
-    for regime in regimes:
-        check_regime(regime, stem=True)
+    check_lab_args(regimes, models, capacity_people, pairs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     world, tokenizer, data = prepare(settings, texts)
     world.save(out)
     configs = lab_configs(settings, len(tokenizer))
-    jobs = [(name, "plain") for name in models] + [("STEM-full", r) for r in regimes if r != "plain"]
+    jobs = list(dict.fromkeys([(name, "plain") for name in models] + [("STEM-full", r) for r in regimes]))
     runs, trained = {}, {}
     for name, regime in jobs:
         key = name if regime == "plain" else f"{name} {regime}"
@@ -146,4 +153,4 @@ def write_json(result: dict, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["capacity", "general_text", "measure", "pick_regime", "prepare", "run_lab", "write_json"]
+__all__ = ["capacity", "check_lab_args", "general_text", "measure", "pick_regime", "prepare", "run_lab", "write_json"]
