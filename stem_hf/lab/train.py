@@ -6,13 +6,15 @@ Regimes (STEM only; a dense model keeps the identity of a token nowhere but in i
 - `plain`: the paper's recipe.
 - `entity-dropout-P`: each entity token's input id is replaced by `<mask>` with probability P, while its table
   lookups (`stem_input_ids`) keep the true id; the model learns to find the entity in the rows.
-- `shared-embedding`: every entity token's input-embedding row is one shared, frozen row, so the identity can only
-  live in the tables (the control under which a row swap must move the answers).
+- `shared-embedding`: every entity token's input-embedding row is one shared row without gradient, so the identity
+  can only live in the tables (the control under which a row swap must move the answers).
+
+Entity tokens are the words of people's names and the countries' names.
 """
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,43 +33,19 @@ DEFAULT_REGIME = "entity-dropout-0.5"  # the best for row edits in benchmarks/re
 
 
 @dataclass
-class LabSettings:
-    """The lab's model shape (the dense model's; STEM models widen their FFN to match its active parameters), data
-    and schedule."""
+class LabSettings(PretrainSettings):
+    """`stem-hf pretrain`'s settings with the lab's shape (the dense model's; STEM models widen their FFN to match its
+    active parameters) and schedule, and the world: `people`, and the share of general text and its words."""
 
-    people: int = 300
     hidden_size: int = 64
     intermediate_size: int = 256
     num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
     context: int = 64
     batch_size: int = 32
     steps: int = 1500
-    lr: float = 3e-3
-    warmup: float = 0.05
+    people: int = 300
     general_share: float = 0.2
     general_words: int = 1000
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def pretrain_settings(self, stem_layers: str = "1/2") -> PretrainSettings:
-        return PretrainSettings(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            context=self.context,
-            stem_layers=stem_layers,
-            batch_size=self.batch_size,
-            steps=self.steps,
-            lr=self.lr,
-            warmup=self.warmup,
-            eval_every=self.steps,
-            seed=self.seed,
-            extra=dict(self.extra),
-        )
 
 
 QUICK = LabSettings(people=24, steps=600, general_share=0.1, general_words=300)
@@ -119,8 +97,9 @@ class EntityDropoutCollator:
 
 
 def share_entity_embedding(model: StemForCausalLM, entity_ids: torch.Tensor, shared_id: int) -> None:
-    """Ties every entity token's input-embedding row to the row of `shared_id` and keeps them there: their gradient is
-    zeroed (decoupled weight decay scales identical rows identically, so they stay identical)."""
+    """Sets every entity token's input-embedding row to the row of `shared_id` and zeroes their gradient, so they stay
+    one row, identical to each other (decoupled weight decay scales identical rows identically); the `shared_id` row
+    itself trains on. With tied embeddings the output head's entity rows are that one row too."""
     weight = model.get_input_embeddings().weight
     with torch.no_grad():
         weight[entity_ids] = weight[shared_id].clone()
@@ -129,8 +108,8 @@ def share_entity_embedding(model: StemForCausalLM, entity_ids: torch.Tensor, sha
 
 def lab_configs(settings: LabSettings, vocab_size: int) -> dict[str, StemConfig]:
     """`dense`, `STEM-1/2` and `STEM-full` configs at matched active parameters per token."""
-    dense, half = configs(settings.pretrain_settings("1/2"), vocab_size)
-    _, full = configs(settings.pretrain_settings("full"), vocab_size)
+    dense, half = configs(replace(settings, stem_layers="1/2"), vocab_size)
+    _, full = configs(replace(settings, stem_layers="full"), vocab_size)
     return {"dense": dense, "STEM-1/2": half, "STEM-full": full}
 
 
@@ -157,9 +136,7 @@ def train_lab_model(
         share_entity_embedding(model, entities, tokenizer.mask_token_id)
     collator = EntityDropoutCollator(entities, tokenizer.mask_token_id, 0.0 if regime == "shared-embedding" else p,
                                      settings.seed)  # fmt: skip
-    args = training_arguments(
-        Path(out), settings.pretrain_settings(), eval_strategy="no", logging_steps=max(1, settings.steps // 50)
-    )
+    args = training_arguments(Path(out), settings, eval_strategy="no", logging_steps=max(1, settings.steps // 50))
     trainer = StemTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
     seconds = trainer.train().metrics["train_runtime"]
     tokens_per_step = settings.batch_size * settings.context
