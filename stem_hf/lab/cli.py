@@ -6,20 +6,19 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .train import DEFAULT_REGIME, QUICK, LabSettings
-
 RESULTS = "results.json"
 
 
 def add_parser(commands) -> None:
     lab = commands.add_parser("lab", help="knowledge lab: small models trained on synthetic facts; recall, edits")
     lab.add_argument("--out", default="runs/lab", help="results, plots and the editable model (OUT/editable)")
-    lab.add_argument("--quick", action="store_true", help=f"the test size: {QUICK.people} people, {QUICK.steps} steps")
-    lab.add_argument("--people", type=int, help=f"people in the world (default {LabSettings.people})")
-    lab.add_argument("--steps", type=int, help=f"training steps (default {LabSettings.steps})")
+    # Parsing imports nothing heavy: the defaults named here live in stem_hf.lab.train.
+    lab.add_argument("--quick", action="store_true", help="the test size (stem_hf.lab.train.QUICK)")
+    lab.add_argument("--people", type=int, help="people in the world (default: LabSettings.people)")
+    lab.add_argument("--steps", type=int, help="training steps (default: LabSettings.steps)")
     lab.add_argument(
-        "--regimes", nargs="+", default=[DEFAULT_REGIME],
-        help="STEM-full training regimes: plain, shared-embedding, entity-dropout-P (default: %(default)s)",
+        "--regimes", nargs="+",
+        help="STEM-full training regimes: plain, shared-embedding, entity-dropout-P (default: DEFAULT_REGIME)",
     )  # fmt: skip
     lab.add_argument(
         "--models", nargs="*", default=["dense"], choices=["dense", "STEM-1/2", "STEM-full"],
@@ -31,8 +30,11 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from .plots import require_matplotlib
+    from .plots import plot_all, require_matplotlib
     from .run import check_lab_args, general_text, run_lab, write_json
+    from .train import DEFAULT_REGIME, QUICK, LabSettings
+
+    args.regimes = args.regimes or [DEFAULT_REGIME]
 
     for name, value in (("--people", args.people), ("--steps", args.steps)):
         if value is not None and value < (2 if name == "--people" else 1):
@@ -53,8 +55,6 @@ def run(args: argparse.Namespace) -> None:
     result = run_lab(
         settings, out, general_text(), tuple(args.regimes), tuple(args.models), tuple(args.capacity), args.pairs
     )
-    from .plots import plot_all
-
     plot_all(result, out)
     write_json(result, out / RESULTS)
     summary = {
