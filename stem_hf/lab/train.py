@@ -52,13 +52,13 @@ QUICK = LabSettings(people=24, steps=600, general_share=0.1, general_words=300)
 
 
 def check_regime(regime: str, stem: bool) -> float:
-    """The entity dropout probability of `regime` (1.0 for `shared-embedding`); raises on an unknown name, or on a
-    regime other than `plain` for a dense model."""
+    """The entity dropout probability of `regime` (0 for `plain` and `shared-embedding`, which shares the rows in the
+    weights instead); raises on an unknown name, or on a regime other than `plain` for a dense model."""
     if not REGIME.match(regime):
         raise ValueError(f"lab: unknown regime {regime!r}: one of plain, shared-embedding, entity-dropout-P (0<=P<=1)")
     if regime != "plain" and not stem:
         raise ValueError(f"lab: regime {regime!r} hides entity tokens' embeddings; a dense model has only those")
-    return 1.0 if regime == "shared-embedding" else float(regime.rsplit("-", 1)[1]) if "dropout" in regime else 0.0
+    return float(regime.rsplit("-", 1)[1]) if regime.startswith("entity-dropout-") else 0.0
 
 
 class Blocks(Dataset):
@@ -134,10 +134,11 @@ def train_lab_model(
     model = StemForCausalLM(config)
     if regime == "shared-embedding":
         share_entity_embedding(model, entities, tokenizer.mask_token_id)
-    collator = EntityDropoutCollator(entities, tokenizer.mask_token_id, 0.0 if regime == "shared-embedding" else p,
-                                     settings.seed)  # fmt: skip
+    collator = EntityDropoutCollator(entities, tokenizer.mask_token_id, p, settings.seed)
     args = training_arguments(Path(out), settings, eval_strategy="no", logging_steps=max(1, settings.steps // 50))
-    trainer = StemTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
+    trainer = StemTrainer(
+        model=model, args=args, train_dataset=data, data_collator=collator, table_lr=settings.table_lr
+    )
     seconds = trainer.train().metrics["train_runtime"]
     tokens_per_step = settings.batch_size * settings.context
     s = summarize(config, context_length=settings.context)
