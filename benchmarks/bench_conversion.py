@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from conversion import convert, load_source
-from conversion.assets import corpora, smollm2_gguf
-from conversion.convert import calibration_and_healing_chunks, chunk_texts, perplexity
-from conversion.heal import ANNEAL, heal
+from stem_hf.assets import corpora, smollm2_gguf
+from stem_hf.conversion import convert, load_source
+from stem_hf.conversion.convert import calibration_and_healing_chunks, chunk_texts, perplexity
+from stem_hf.conversion.heal import ANNEAL, heal
 
 # convert() options of each variant. `fitted` refits every output projection from the first STEM layer on, layer by
 # layer along the residual stream, and trains the gates locally on the way (the defaults); "fitted-no-local" skips the

@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from conversion.sources import load_source
+from stem_hf.conversion.sources import load_source
 from stem_hf.evaluation import RESULTS_FILE, evaluate, headline_metrics, load_for_eval
 from stem_hf.model_card import write_model_card
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Trainer, TrainingArguments
 
-from conversion.assets import corpora, smollm2_gguf
-from conversion.convert import chunk_texts, convert
 from stem_hf import StemForCausalLM
+from stem_hf.assets import corpora, smollm2_gguf
+from stem_hf.conversion.convert import chunk_texts, convert
 
 
 def batches(tokenizer, bos: int, steps: int, batch: int, length: int) -> list[dict]:

@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from conversion import convert, load_source
-from conversion.assets import corpora, smollm2_gguf
-from conversion.convert import _copy_dense_weights, chunk_texts, perplexity
-from conversion.sources import stem_config_from_dense
 from stem_hf import StemForCausalLM
+from stem_hf.assets import corpora, smollm2_gguf
+from stem_hf.conversion import convert, load_source
+from stem_hf.conversion.convert import _copy_dense_weights, chunk_texts, perplexity
+from stem_hf.conversion.sources import stem_config_from_dense
 
 
 def subset(dense, full, layers: list[int]) -> StemForCausalLM:

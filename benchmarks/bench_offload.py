@@ -17,9 +17,9 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from conversion.assets import corpora
-from conversion.convert import chunk_texts, perplexity
 from stem_hf import StemForCausalLM
+from stem_hf.assets import corpora
+from stem_hf.conversion.convert import chunk_texts, perplexity
 from stem_hf.offload import StemHostTables, StemOffloadEngine, StemRowCache
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import shutil
 
-from conversion.assets import shakespeare_texts
+from stem_hf.assets import shakespeare_texts
 from stem_hf.pretrain import PretrainSettings, pretrain
 
 

@@ -5,11 +5,8 @@ import json
 import os
 import tempfile
 
-HEAL_PRECISIONS = ("fp32", "bf16", "auto")  # conversion.heal.PRECISIONS, without importing torch to parse arguments
-# `stem-hf convert`'s fallback context for rare and unseen tokens' rows (fitted and mean; `convert()` defaults to none):
-# SmolLM2-1/3 from 50k calibration tokens, 1.674x dense perplexity from the embedding alone, 1.624x with it, and 1.502x
-# against 1.454x after 30k healing tokens (benchmarks/results/bench_conversion_context.json), for 80 s more.
-PRIOR_CONTEXT = " the"
+from .assets import read_texts
+from .conversion.cli import add_parsers as add_conversion_parsers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,72 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("checkpoint", help="a STEM checkpoint folder or Hub id (only its config is read)")
     info.add_argument("--context-length", type=int, default=2048, help="positions each token attends to")
 
-    demo = commands.add_parser("demo", help="convert SmolLM2-135M (or --source) to STEM, reload it, compare with dense")
-    demo.add_argument("--out", default="runs/demo", help="where to save the converted checkpoint")
-    demo.add_argument("--source", default=None, help="a dense checkpoint (default: the embedded SmolLM2-135M GGUF)")
-    demo.add_argument("--calibration-tokens", type=int, default=50_000)
-    demo.add_argument("--heal-tokens", type=int, default=20_000, help="healing budget (0: none)")
-    demo.add_argument(
-        "--heal-precision", choices=HEAL_PRECISIONS, default="auto", help="as convert's, but the default is auto"
-    )
-    demo.add_argument("--tiny", action="store_true", help="the one-second example on a random tiny model instead")
-
-    convert = commands.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint to STEM")
-    convert.add_argument("source", help="a checkpoint folder, a Hub id, or a .gguf file")
-    convert.add_argument("out", help="the folder to write the STEM checkpoint to (not the source's)")
-    convert.add_argument("--overwrite", action="store_true", help="write into an OUT that already holds a model")
-    convert.add_argument(
-        "--tokenizer", metavar="PATH_OR_ID", help="the tokenizer for the text, where the source has none of its own"
-    )
-    convert.add_argument("--stem-layers", default="1/3", help='"1/3", "1/2", "full", "1/N" or "1,4,7"')
-    convert.add_argument("--init", default="fitted", choices=["fitted", "mean", "projected", "xavier"])
-    convert.add_argument("--calibration", nargs="*", default=None, help="text files (default: the bundled corpus)")
-    convert.add_argument("--heldout", nargs="*", default=None, help="text files (default: the bundled held-out set)")
-    convert.add_argument("--calibration-tokens", type=int, default=150_000)
-    convert.add_argument("--heldout-tokens", type=int, default=20_000)
-    convert.add_argument(
-        "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
-    )
-    context = convert.add_mutually_exclusive_group()
-    context.add_argument(
-        "--prior-context",
-        help="fitted/mean: rare and unseen tokens' rows lean on a ridge map from their embedding and their FFN input "
-        f"after BOS (if any) and this text (default for fitted/mean: {PRIOR_CONTEXT!r}; see --no-prior-context)",
-    )
-    context.add_argument(
-        "--no-prior-context", action="store_true", help="fitted/mean: that ridge map from the embedding alone"
-    )
-    convert.add_argument(
-        "--refit",
-        choices=["none", "plain", "sequential", "all"],
-        help="closed-form refit of output projections after the tables are set (default: all for fitted, else none)",
-    )
-    convert.add_argument(
-        "--gate-epochs",
-        type=int,
-        help="epochs of local training of the STEM layers' gates (default: 5 with --refit sequential/all, else 0)",
-    )
-    convert.add_argument(
-        "--dense-epochs",
-        type=int,
-        help="epochs of local training of the dense layers' gate and up (default: 5 with --refit all, else 0)",
-    )
-    convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
-    # Left unset, the healing options take `conversion.heal`'s defaults (the anneal's by init: `ANNEAL`).
-    convert.add_argument("--heal-train", choices=("tables", "ffn", "all"), help="what healing trains (default: all)")
-    convert.add_argument(
-        "--heal-anneal", type=float, help="share of the healing steps that blend W_up out (default: 0 for fitted, mean)"
-    )
-    convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
-    convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
-    convert.add_argument(
-        "--heal-precision",
-        choices=HEAL_PRECISIONS,
-        help="bf16: healing under bf16 autocast; auto: bf16 where the device computes it natively (default: fp32)",
-    )
-    convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")
-    convert.add_argument("--base-model", help="the source's Hub id, for the model card (default: SOURCE if a Hub id)")
-    convert.add_argument("--license", help='the source\'s license id for the model card, e.g. "apache-2.0"')
+    add_conversion_parsers(commands)
 
     evaluate = commands.add_parser("eval", help="lm-eval harness tasks on a checkpoint, results saved as JSON")
     evaluate.add_argument("checkpoint", help="a checkpoint folder or Hub id (STEM or dense, with a tokenizer)")
@@ -170,14 +102,10 @@ def main(argv: list[str] | None = None) -> None:
         from .demo import run_demo
 
         run_demo(args.out)
-    elif args.command == "demo":
-        from conversion.demo import run_demo
+    elif args.command in ("demo", "convert"):
+        from .conversion.cli import run
 
-        run_demo(args.out, args.source, args.calibration_tokens, args.heal_tokens, args.heal_precision)
-    elif args.command == "convert":
-        from conversion.cli import run_convert
-
-        run_convert(args)
+        run(args)
     elif args.command == "eval":
         run_eval(args)
     elif args.command == "card":
@@ -226,11 +154,6 @@ def main(argv: list[str] | None = None) -> None:
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
 
 
-def read_texts(paths: list[str]) -> list[str]:
-    """The text files a command was given, one string each (undecodable bytes replaced)."""
-    return [open(path, encoding="utf-8", errors="replace").read() for path in paths]
-
-
 def _load_tokenizer(checkpoint: str):
     """The tokenizer of a STEM checkpoint, refused unless its config.json says STEM: never the checkpoint's own code."""
     from transformers import AutoTokenizer
@@ -275,12 +198,12 @@ def run_analyze(args: argparse.Namespace) -> dict:
     if args.text:
         texts = read_texts(args.text)
     else:
-        from conversion.assets import corpora
+        from .assets import corpora
 
         texts = corpora()["heldout"]
     dense, source = None, args.dense or _converted_from(args.checkpoint)
     if source:
-        from conversion.sources import load_source
+        from .conversion.sources import load_source
 
         dense = load_source(source)[0].eval()
     result = run_analysis(model, tokenizer, texts, args.out, dense)

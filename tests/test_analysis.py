@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conversion import convert
 from stem_hf.analysis import activated_parameters, angular_spread, dense_up_spread, table_spread
 from stem_hf.cli import main
+from stem_hf.conversion import convert
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
 
 

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,7 +71,20 @@ def test_the_conversion_demo_runs_on_any_supported_source(tmp_path, capsys):
 
 
 def test_the_cli_offers_every_healing_precision_heal_takes():
-    from conversion.heal import PRECISIONS
-    from stem_hf.cli import HEAL_PRECISIONS
+    from stem_hf.cli import build_parser
+    from stem_hf.conversion.heal import PRECISIONS
 
-    assert HEAL_PRECISIONS == PRECISIONS  # a copy, so that parsing arguments does not import torch
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command in ("convert", "demo"):
+        offered = next(a.choices for a in commands[command]._actions if a.dest == "heal_precision")
+        assert tuple(offered) == PRECISIONS
+
+
+def test_the_conversion_script_takes_the_convert_command_options(capsys):
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "conversion" / "convert_llama_to_stem.py"))
+    with pytest.raises(SystemExit) as exit_info:
+        script["main"](["--help"])
+    assert exit_info.value.code == 0
+    assert "--stem-layers" in capsys.readouterr().out

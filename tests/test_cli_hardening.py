@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conversion import convert
 from stem_hf.cli import main
+from stem_hf.conversion import convert
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
 from tests.fake_hub import fake_hub
 from tests.test_conversion import SHAPE, _word_tokenizer

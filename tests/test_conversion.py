@@ -17,8 +17,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from conversion import convert, stem_config_from_dense
 from stem_hf import StemForCausalLM
+from stem_hf.conversion import convert, stem_config_from_dense
 
 SHAPE = dict(
     vocab_size=64,
@@ -260,7 +260,8 @@ def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_pat
     ],
 )
 def test_cli_defaults_to_the_prior_context_for_calibrated_inits(tmp_path, capsys, options, expected):
-    from stem_hf.cli import PRIOR_CONTEXT, main
+    from stem_hf.cli import main
+    from stem_hf.conversion.options import PRIOR_CONTEXT
 
     assert PRIOR_CONTEXT == " the"
     _cli_source(tmp_path)
@@ -319,7 +320,7 @@ def _ffn_inputs(dense, layer: int, chunks: list[torch.Tensor]) -> tuple[torch.Te
 
 
 def test_refit_down_is_the_least_squares_down_projection():
-    from conversion.refit_down import refit_down
+    from stem_hf.conversion.refit_down import refit_down
 
     dense = _dense("llama")
     chunks = [torch.tensor([1, *t]) for t in _texts(8, 40, seed=6)]
@@ -407,7 +408,7 @@ def test_refit_along_the_stream_is_the_least_squares_fit_of_each_layer(kind, epo
     them: each layer is solved on the inputs the layers before it, already refit, give it (so the pass's own stepping
     through the layers matches the model's forward, for each source architecture). With local training, `W_down` is
     solved last, on the gates as trained (or kept, when training did not lower the layer's loss)."""
-    from conversion.feedback import refit_feedback
+    from stem_hf.conversion.feedback import refit_feedback
 
     dense = _dense(kind)  # llama has attention biases: o_proj has a bias the refit keeps
     if epochs:
@@ -499,7 +500,7 @@ def test_local_training_brings_the_residual_stream_closer_to_dense():
 
 
 def test_train_gate_lowers_its_loss_and_leaves_down_alone():
-    from conversion.feedback import train_gate
+    from stem_hf.conversion.feedback import train_gate
 
     torch.manual_seed(0)
     mlp = _dense("llama").model.layers[1].mlp
@@ -552,7 +553,7 @@ def test_refit_needs_calibration_text_and_a_known_name():
 
 
 def test_context_inputs_are_the_ffn_inputs_after_the_prefix():
-    from conversion.calibrate import context_inputs
+    from stem_hf.conversion.calibrate import context_inputs
 
     dense = _dense("qwen3")
     got = context_inputs(dense, [1, 2], [1, 7, 9], SHAPE["vocab_size"], positions=96)  # batches of 24: 64 split

@@ -331,7 +331,7 @@ def _heal_fixture():
 
 
 def _kl(dense, stem, chunks, device) -> float:
-    from conversion.heal import distillation_loss
+    from stem_hf.conversion.heal import distillation_loss
 
     with torch.no_grad():
         kls = [distillation_loss(stem(c[None].to(device)).logits, dense(c[None].to(device)).logits) for c in chunks]
@@ -339,7 +339,7 @@ def _kl(dense, stem, chunks, device) -> float:
 
 
 def test_bf16_healing_steps_on_cuda_train_the_host_tables():
-    from conversion.heal import heal
+    from stem_hf.conversion.heal import heal
 
     dense, stem, chunks = _heal_fixture()
     kl_before = _kl(dense, stem, chunks, "cpu")
@@ -369,7 +369,7 @@ def test_bf16_healing_steps_on_cuda_train_the_host_tables():
 
 
 def test_fp32_healing_on_cuda_starts_where_cpu_healing_does():
-    from conversion.heal import heal
+    from stem_hf.conversion.heal import heal
 
     dense, stem, chunks = _heal_fixture()
     gpu_dense, gpu_stem = copy.deepcopy(dense).to(CUDA), copy.deepcopy(stem).to(CUDA)
@@ -384,8 +384,8 @@ def test_convert_heals_on_cuda_with_auto_precision_and_saves_a_model_that_loads(
     from test_conversion import _texts
     from test_heal import _opinionated
 
-    from conversion import convert
-    from conversion.heal import resolve_precision
+    from stem_hf.conversion import convert
+    from stem_hf.conversion.heal import resolve_precision
 
     expected_precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
     assert resolve_precision("auto", "cuda") == expected_precision

@@ -8,8 +8,8 @@ from test_conversion import SHAPE, _dense, _texts
 from torch.nn.utils import parametrize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conversion import convert
-from conversion.heal import BlendedStem, StemBlendMLP, distillation_loss, heal
+from stem_hf.conversion import convert
+from stem_hf.conversion.heal import BlendedStem, StemBlendMLP, distillation_loss, heal
 from stem_hf.modeling_stem import StemTableMLP
 
 
@@ -153,7 +153,7 @@ def test_bf16_healing_trains_fp32_weights_under_autocast():
 
 
 def test_auto_precision_resolves_to_what_the_device_computes_natively():
-    from conversion.heal import resolve_precision
+    from stem_hf.conversion.heal import resolve_precision
 
     dense, stem = _converted()
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -231,7 +231,7 @@ def test_bad_healing_options_are_clear_errors():
 
 
 def test_convert_with_healing_reports_before_and_after(tmp_path):
-    from conversion.convert import chunk_texts, perplexity
+    from stem_hf.conversion.convert import chunk_texts, perplexity
 
     dense = _opinionated("qwen2")
     heldout = _texts(2, 120, seed=3)
@@ -265,7 +265,7 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
 
 
 def test_healing_text_follows_the_calibration_tokens():
-    from conversion.convert import calibration_and_healing_chunks, chunk_texts
+    from stem_hf.conversion.convert import calibration_and_healing_chunks, chunk_texts
 
     texts = _texts(8, 120, seed=4)
     # the calibration ends inside a chunk, whose rest healing then skips

@@ -8,8 +8,8 @@ import pytest
 from huggingface_hub import ModelCard
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conversion import convert
 from stem_hf import StemConfig, StemForCausalLM
+from stem_hf.conversion import convert
 from stem_hf.model_card import MARKER, render_model_card, write_model_card
 from tests import test_conversion
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model

@@ -352,7 +352,7 @@ def test_an_edit_of_an_unknown_word_or_of_one_token_twice_is_refused():
 def test_stem_config_keeps_llama_fields_valid_for_dense_sources():
     from transformers import LlamaConfig
 
-    from conversion.sources import stem_config_from_dense
+    from stem_hf.conversion.sources import stem_config_from_dense
 
     dense = LlamaConfig(**{**TINY, "pad_token_id": -1})
     assert stem_config_from_dense(dense, "1/2").pad_token_id is None  # "-1: no pad token" in some Llama configs

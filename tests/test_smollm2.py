@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conversion import convert, load_source
-from conversion.assets import corpora, smollm2_gguf
+from stem_hf.assets import corpora, smollm2_gguf
+from stem_hf.conversion import convert, load_source
 
 
 @pytest.fixture(scope="module")

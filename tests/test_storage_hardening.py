@@ -272,7 +272,7 @@ def test_a_save_killed_by_sigkill_before_its_index_is_refused_until_the_next_sav
 
 
 def test_convert_ties_its_report_to_the_weights_and_a_later_save_unties_it(tmp_path, caplog):
-    from conversion import convert
+    from stem_hf.conversion import convert
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
     dense = LlamaForCausalLM(LlamaConfig(**shape, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)).eval()

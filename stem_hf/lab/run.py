@@ -16,7 +16,7 @@ from .train import Blocks, LabSettings, check_regime, lab_configs, train_lab_mod
 
 def general_text() -> list[str]:
     """General text from the bundled registry corpus (calibration split), so the models also learn language."""
-    from conversion.assets import corpora
+    from stem_hf.assets import corpora
 
     return corpora()["calibration"]
 

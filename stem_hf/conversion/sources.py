@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from stem_hf import StemConfig
+from .. import StemConfig
 
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

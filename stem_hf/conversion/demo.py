@@ -9,10 +9,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from stem_hf import write_model_card
-from stem_hf.remote_check import load_without_package
-
-from .assets import CORPUS_NAMES, corpora, smollm2_gguf
+from .. import write_model_card
+from ..assets import CORPUS_NAMES, corpora, smollm2_gguf
+from ..remote_check import load_without_package
 from .convert import convert
 from .sources import load_source
 

@@ -1,0 +1,23 @@
+"""What a conversion can be asked for, and the command line's defaults. Torch-free, so that `stem-hf` parses its
+arguments without loading the conversion."""
+
+INITS = ("fitted", "mean", "projected", "xavier")
+CALIBRATED_INITS = ("fitted", "mean")  # rows from calibration statistics, with a fallback for rare tokens
+REFITS = ("none", "plain", "sequential", "all")
+HEAL_TRAINABLE = ("tables", "ffn", "all")
+# What healing's forwards and backward compute in; "auto" takes bf16 where the device computes it natively.
+HEAL_PRECISIONS = ("fp32", "bf16", "auto")
+# `stem-hf convert`'s fallback context for rare and unseen tokens' rows with fitted and mean tables (`convert()` itself
+# defaults to none); benchmarks/results/bench_conversion_context.json measures it against the embedding alone.
+PRIOR_CONTEXT = " the"
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+__all__ = [
+    "CALIBRATED_INITS",
+    "DTYPE_ALIASES",
+    "HEAL_PRECISIONS",
+    "HEAL_TRAINABLE",
+    "INITS",
+    "PRIOR_CONTEXT",
+    "REFITS",
+]
