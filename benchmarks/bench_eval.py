@@ -17,8 +17,9 @@ import torch
 from transformers import AutoTokenizer
 
 from stem_hf.conversion.sources import load_source
-from stem_hf.evaluation import RESULTS_FILE, evaluate, headline_metrics, load_for_eval
+from stem_hf.evaluation import evaluate, headline_metrics, load_for_eval
 from stem_hf.model_card import write_model_card
+from stem_hf.storage_stem import REPORT_FILE, RESULTS_FILE
 
 
 def _timed_eval(model, tasks, tokenizer, output=None) -> tuple[dict, float]:
@@ -36,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_flush_denormal(True)  # dequantized GGUF weights hold denormals: 4-5x slower CPU matmuls without this
 
-    with open(os.path.join(args.checkpoint, "conversion_report.json")) as f:
+    with open(os.path.join(args.checkpoint, REPORT_FILE)) as f:
         report = json.load(f)
     tasks = args.tasks.split(",")
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)

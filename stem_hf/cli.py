@@ -173,7 +173,9 @@ def _load_model(checkpoint: str):
 
 def _converted_from(checkpoint: str) -> str | None:
     """The local dense source a converted checkpoint's report names, if it is still there."""
-    path = os.path.join(checkpoint, "conversion_report.json")
+    from .storage_stem import REPORT_FILE
+
+    path = os.path.join(checkpoint, REPORT_FILE)
     if not os.path.isfile(path):
         return None
     from .storage_stem import provenance_matches

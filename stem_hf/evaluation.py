@@ -19,12 +19,11 @@ from transformers.utils import logging
 from .accounting import read_model_type
 from .configuration_stem import StemConfig
 from .modeling_stem import StemForCausalLM
-from .storage_stem import SAVE_ID_KEY
+from .storage_stem import RESULTS_FILE, SAVE_ID_KEY
 
 logger = logging.get_logger(__name__)
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
-RESULTS_FILE = "lm_eval_results.json"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Per-task entries of lm-eval's results, merged task by task into an existing results file.
 MERGED_KEYS = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")

@@ -7,9 +7,8 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from .accounting import load_config
-from .evaluation import RESULTS_FILE
-from .model_card import MARKER, REPORT_FILE, write_model_card
-from .storage_stem import check_checkpoint_files, stale_provenance
+from .model_card import MARKER, write_model_card
+from .storage_stem import PROVENANCE_FILES, check_checkpoint_files, stale_provenance
 
 # Hidden files, temporary files and evaluation results set aside for other weights never go up.
 IGNORE = [".*", "*.tmp", "lm_eval_results.*.json"]
@@ -40,7 +39,7 @@ def push_checkpoint(
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     # Provenance of weights saved over since describes other weights: it stays in the folder, not on the Hub.
-    stale = stale_provenance(folder, (REPORT_FILE, RESULTS_FILE))
+    stale = stale_provenance(folder, PROVENANCE_FILES)
     ignore = [*IGNORE, *stale]
     if api.file_exists(repo_id, "README.md", revision=revision):
         card = Path(api.hf_hub_download(repo_id, "README.md", revision=revision)).read_text(encoding="utf-8")

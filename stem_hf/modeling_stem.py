@@ -36,6 +36,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
 from .storage_stem import (
+    PROVENANCE_FILES,
     SAVE_ID_KEY,
     TABLE_KEY,
     advise_random_access,
@@ -50,8 +51,6 @@ from .storage_stem import (
 
 logger = logging.get_logger(__name__)
 
-# Files beside the weights that the model card renders (stem_hf.model_card's REPORT_FILE and RESULTS_FILE).
-_PROVENANCE_FILES = ("conversion_report.json", "lm_eval_results.json")
 # What `from_pretrained` passes on to read a config from the Hub.
 _CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 # Config fields that give the saved tensors their shapes: a load cannot change them.
@@ -678,7 +677,7 @@ class StemPreTrainedModel(PreTrainedModel):
             dtype = getattr(torch, self.config.table_dtype)
             save_id = finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters(), variant)
         self.stem_save_id = save_id  # the weights in memory are now those of this save
-        stale = stale_provenance(save_directory, _PROVENANCE_FILES)
+        stale = stale_provenance(save_directory, PROVENANCE_FILES)
         if stale:
             logger.warning(
                 f"{save_directory}: {', '.join(stale)} describe the weights of an earlier save, not these; they are "
@@ -736,10 +735,10 @@ class StemPreTrainedModel(PreTrainedModel):
             # was loaded from, else keep the repo's, so that a refreshed card never says less than the one it replaces.
             on_hub = {
                 name: api.file_exists(repo_id, name, revision=revision, token=token)
-                for name in ("README.md", *_PROVENANCE_FILES)
+                for name in ("README.md", *PROVENANCE_FILES)
             }
             pushed_id = read_save_id(tmp)
-            for name in _PROVENANCE_FILES:
+            for name in PROVENANCE_FILES:
                 local = os.path.join(self.name_or_path or "", name)
                 if self.name_or_path and os.path.isfile(local):
                     try:

@@ -31,6 +31,11 @@ TABLES_FILE = "stem-tables-{index:05d}-of-{total:05d}.safetensors"
 DENSE_FILE = "model-00001-of-00001.safetensors"
 # Every weight file of a save and its index carry this key with one fresh id: files of two saves are told apart at load.
 SAVE_ID_KEY = "stem_save_id"
+# Provenance files beside the weights, each recording the save id of the weights it describes: how they were made
+# (`stem-hf convert`) and how they score (`stem-hf eval`). The model card renders both.
+REPORT_FILE = "conversion_report.json"
+RESULTS_FILE = "lm_eval_results.json"
+PROVENANCE_FILES = (REPORT_FILE, RESULTS_FILE)
 # Bits per element of each safetensors dtype (the sub-byte float formats pack elements): the bytes a tensor must span.
 _DTYPE_BITS = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,

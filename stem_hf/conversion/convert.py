@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from .. import StemConfig, StemForCausalLM, write_model_card
 from ..accounting import check_local
-from ..storage_stem import SAVE_ID_KEY, read_save_id
+from ..storage_stem import REPORT_FILE, SAVE_ID_KEY, read_save_id
 from .calibrate import calibrate, context_inputs
 from .feedback import refit_feedback
 from .heal import ANNEAL, check_heal_options, heal
@@ -378,7 +378,7 @@ def convert(
                 # saved tokenizer prepends it by itself, so pipelines and lm-eval feed the model what it was fit on.
                 tokenizer.add_bos_token = True
             tokenizer.save_pretrained(out)
-        path = os.path.join(out, "conversion_report.json")
+        path = os.path.join(out, REPORT_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=2)
         os.replace(path + ".tmp", path)

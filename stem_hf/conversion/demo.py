@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from .. import write_model_card
 from ..assets import CORPUS_NAMES, corpora, smollm2_gguf
 from ..remote_check import load_without_package
+from ..storage_stem import REPORT_FILE
 from .convert import convert
 from .sources import load_source
 
@@ -58,7 +59,7 @@ def run_demo(
         **provenance,
     )
     report["source"] = source  # the model was passed loaded: name the file it came from
-    path = os.path.join(checkpoint, "conversion_report.json")
+    path = os.path.join(checkpoint, REPORT_FILE)
     with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=2)
     os.replace(path + ".tmp", path)
