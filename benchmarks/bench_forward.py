@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from stem_hf import StemConfig, StemForCausalLM
+from stem_hf.accounting import flops_per_token, num_active_parameters
 
 SHAPE = dict(
     vocab_size=8192,
@@ -49,7 +50,7 @@ def main() -> None:
 
     dense_time = statistics.median(times["dense"])
     context = (args.seq_len + 1) / 2
-    dense_flops = models["dense"].flops_per_token(context)
+    dense_flops = flops_per_token(models["dense"].config, context)
     report = {
         "shape": SHAPE,
         "batch_size": args.batch_size,
@@ -65,10 +66,10 @@ def main() -> None:
             "median_s": round(median, 4),
             "tokens_per_s": round(args.batch_size * args.seq_len / median, 1),
             "speedup_vs_dense": round(dense_time / median, 3),
-            "flops_ratio_vs_dense": round(model.flops_per_token(context) / dense_flops, 3),
-            "speedup_predicted_by_flops": round(dense_flops / model.flops_per_token(context), 3),
+            "flops_ratio_vs_dense": round(flops_per_token(model.config, context) / dense_flops, 3),
+            "speedup_predicted_by_flops": round(dense_flops / flops_per_token(model.config, context), 3),
             "total_params": model.num_parameters(),
-            "active_params_per_token": model.num_active_parameters(),
+            "active_params_per_token": num_active_parameters(model),
         }
     print(json.dumps(report, indent=2))
 

@@ -18,6 +18,7 @@ import time
 import torch
 
 from stem_hf import StemConfig, StemForCausalLM
+from stem_hf.accounting import flops_per_token
 from stem_hf.demo import PAPER_1B
 from stem_hf.training import RowSparseAdamW, adam_state_bytes, clip_grad_norm, param_groups, use_sparse_table_grads
 
@@ -80,7 +81,7 @@ def worker(stem_layers: str, optimizer_name: str) -> dict:
         "optimizer_state_mb": state / 1e6,
         "distinct_tokens_seen": seen,
         "params": model.num_parameters(),
-        "flops_per_token": model.flops_per_token(LENGTH),
+        "flops_per_token": flops_per_token(model.config, LENGTH),
     }
 
 

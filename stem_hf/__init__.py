@@ -2,12 +2,14 @@
 
 Importing the package registers the `"stem"` architecture with the Auto classes and marks the model files to be
 copied next to the weights on `save_pretrained`, so checkpoints also load with `trust_remote_code=True` where this
-package is not installed. It also gives saves a model card (`README.md`, see `stem_hf.model_card`).
+package is not installed. It also gives saves a model card (`README.md`, see `stem_hf.model_card`), and pushes the card
+and provenance files with the weights (`stem_hf.hub.push_model`).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_stem import STEM_RATIOS, StemConfig, resolve_stem_layers
+from .hub import push_model
 from .model_card import write_model_card
 from .modeling_stem import StemForCausalLM, StemModel, StemPreTrainedModel
 
@@ -20,6 +22,7 @@ StemConfig.register_for_auto_class()
 StemModel.register_for_auto_class("AutoModel")
 StemForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 StemPreTrainedModel._model_card_writer = staticmethod(write_model_card)
+StemPreTrainedModel._hub_pusher = staticmethod(push_model)
 
 __all__ = [
     "STEM_RATIOS",

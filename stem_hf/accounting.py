@@ -6,32 +6,67 @@ import os
 
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from torch import nn
 
 from .configuration_stem import StemConfig
 from .modeling_stem import StemForCausalLM
+from .storage_stem import CONFIG_NAME
+
+# Conventions follow the paper: the token embedding and the LM head count as active parameters, and a STEM layer
+# activates one table row (intermediate_size parameters) per token.
+
+
+def num_table_parameters(model: nn.Module) -> int:
+    """Parameters held in STEM tables."""
+    return sum(p.numel() for p in model.base_model.stem_tables.parameters())
+
+
+def num_active_parameters(model: nn.Module) -> int:
+    """Parameters that one token's forward uses: everything but the tables, plus one row per STEM layer."""
+    rows = len(model.config.stem_layers) * model.config.intermediate_size
+    return model.num_parameters() - num_table_parameters(model) + rows
+
+
+def num_dense_parameters(model: nn.Module) -> int:
+    """Parameters of the dense model of the same shape (each table replaced by an up-projection)."""
+    config = model.config
+    up_proj = config.hidden_size * config.intermediate_size + (config.intermediate_size if config.mlp_bias else 0)
+    return model.num_parameters() - num_table_parameters(model) + len(config.stem_layers) * up_proj
+
+
+def flops_per_token(config: StemConfig, context_length: int, dense: bool = False) -> int:
+    """Forward FLOPs (2 per multiply-add) of one token that attends to `context_length` positions, LM head included.
+
+    `dense=True` gives the dense model of the same shape. Per STEM layer, STEM saves `2 * hidden * intermediate`
+    FLOPs. For a causal sequence of length L the mean context is (L + 1) / 2; the paper's saved-fraction formula
+    `d_ff / (4d + 2L + 3 d_ff)` uses L.
+    """
+    d, d_ff, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    attention = 2 * d * q_width + 2 * d * kv_width + 2 * q_width * context_length
+    n_stem = 0 if dense else len(config.stem_layers)
+    mlp = 3 * d * d_ff * (config.num_hidden_layers - n_stem) + 2 * d * d_ff * n_stem
+    return 2 * (attention * config.num_hidden_layers + mlp + d * config.vocab_size)
 
 
 def summarize(config: StemConfig, context_length: int = 2048) -> dict:
     """Parameter counts and forward FLOPs per token, STEM vs dense. Builds the model on the meta device: no memory."""
     with torch.device("meta"):
         model = StemForCausalLM(config)
-    stem_flops = model.flops_per_token(context_length)
-    dense_flops = model.flops_per_token(context_length, dense=True)
+    stem_flops = flops_per_token(config, context_length)
+    dense_flops = flops_per_token(config, context_length, dense=True)
     return {
         "stem_layers": list(config.stem_layers),
         "num_hidden_layers": config.num_hidden_layers,
         "total_params": model.num_parameters(),
-        "table_params": model.num_table_parameters(),
-        "active_params_per_token": model.num_active_parameters(),
-        "dense_params": model.num_dense_parameters(),
+        "table_params": num_table_parameters(model),
+        "active_params_per_token": num_active_parameters(model),
+        "dense_params": num_dense_parameters(model),
         "context_length": context_length,
         "flops_per_token": stem_flops,
         "dense_flops_per_token": dense_flops,
         "flops_ratio_stem_over_dense": stem_flops / dense_flops,
     }
-
-
-CONFIG_NAME = "config.json"
 
 
 def looks_like_path(name: str) -> bool:

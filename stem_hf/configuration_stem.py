@@ -9,6 +9,8 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 STEM_RATIOS = ("1/3", "1/2", "full")
+# The transformers releases this code is tested with; kept in step with setup.cfg and recorded in every saved config.
+SUPPORTED_TRANSFORMERS = ">=5.18,<5.24"
 TABLE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -149,11 +151,13 @@ class StemConfig(PreTrainedConfig):
     stem_layers: list[int] | str | None = "1/3"
     table_dtype: str = "bfloat16"
     keep_tables_on_cpu: bool = True
+    supported_transformers: str = SUPPORTED_TRANSFORMERS
 
     def __post_init__(self, **kwargs):
         # The save id stamped into config.json belongs to that file, not to the config: a config saved again as it is
         # must not claim the old save's id.
         kwargs.pop("stem_save_id", None)
+        self.supported_transformers = SUPPORTED_TRANSFORMERS  # the range of the code that loads it, not the saver's
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -185,4 +189,11 @@ class StemConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
 
-__all__ = ["StemConfig", "check_table_dtype", "resolve_stem_layers", "STEM_RATIOS", "TABLE_DTYPES"]
+__all__ = [
+    "STEM_RATIOS",
+    "SUPPORTED_TRANSFORMERS",
+    "TABLE_DTYPES",
+    "StemConfig",
+    "check_table_dtype",
+    "resolve_stem_layers",
+]

@@ -6,8 +6,8 @@ Length mismatches between source (n tokens) and target (m tokens):
 - `subset`: n target tokens chosen evenly across the target (its first and last kept when n >= 2);
 - `mean`: every source position gets the mean of the target's rows (a row override, not an id swap).
 
-Apply per call (`stem_input_ids` from `edited_ids`), as a reversible context manager (`StemEditor`, a forward hook on
-the model's tables), or persisted into the tables (`persist_edit`, then `save_pretrained`; `persisted` for a block).
+Apply per call (`stem_input_ids` from `edited_ids`), as a reversible context manager (`StemEditor`, the model's row
+source while active), or persisted into the tables (`persist_edit`, then `save_pretrained`; `persisted` for a block).
 """
 
 from collections.abc import Iterator, Sequence
@@ -144,39 +144,33 @@ class StemEditor:
         check_edits(model, edits)
         self.model, self.edits, self.require = model, list(edits), require
         self.tables = model.base_model.stem_tables
-        self._hook = None
-        self._pre_hook = None
+        self._source = None  # the row source the editor wraps while active
         self._calls = 0
-        self._found: list = []
 
-    def _ids(self, _module, args):
-        """Pre-hook: finds each source's occurrences once per forward and points the id edits at their targets."""
-        (stem_input_ids,) = args
+    def __call__(self, stem_input_ids: torch.LongTensor) -> _EditedRows:
+        """The row source while active: finds each source's occurrences once per forward, points the id edits at their
+        targets, and overrides the rows at the occurrences of `mean` edits."""
         self._calls += 1
-        self._found = [find_occurrences(stem_input_ids, edit.source) for edit in self.edits]
+        found = [find_occurrences(stem_input_ids, edit.source) for edit in self.edits]
         if self.require and self._calls == 1:  # the first forward (the prompt) must hold every source
-            _require_occurrences(self.edits, self._found)
-        return (_point_ids(stem_input_ids, self.edits, self._found),)
-
-    def _rows(self, _module, _args, output):
-        """Post-hook: overrides the rows at the occurrences of `mean` edits the pre-hook found."""
+            _require_occurrences(self.edits, found)
+        rows = (self.tables if self._source is None else self._source)(_point_ids(stem_input_ids, self.edits, found))
         overrides = []
-        for edit, hits in zip(self.edits, self._found, strict=True):
+        for edit, hits in zip(self.edits, found, strict=True):
             if edit.strategy == "mean" and hits:
                 batch_rows = torch.tensor([r for r, _ in hits for _ in edit.source])
                 positions = torch.tensor([s + k for _, s in hits for k in range(len(edit.source))])
                 overrides.append((batch_rows, positions, edit.target))
-        return _EditedRows(output, self.tables, overrides)
+        return _EditedRows(rows, self.tables, overrides)
 
     def __enter__(self) -> "StemEditor":
         self._calls = 0
-        self._pre_hook = self.tables.register_forward_pre_hook(self._ids)
-        self._hook = self.tables.register_forward_hook(self._rows)
+        self._source = self.model.base_model.set_row_source(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._pre_hook.remove()
-        self._hook.remove()
+        self.model.base_model.set_row_source(self._source)
+        self._source = None
 
 
 @torch.no_grad()

@@ -1,14 +1,29 @@
-"""`stem-hf push`: uploads a saved STEM checkpoint folder as it is (config, copied code, dense and table shards,
-tokenizer, model card, conversion report, evaluation results) after checking that it loads."""
+"""STEM checkpoints on the Hub. `push_checkpoint` (`stem-hf push`) uploads a saved folder as it is (config, copied code,
+dense and table shards, tokenizer, model card, conversion report, evaluation results) after checking that it loads;
+`push_model` is `model.push_to_hub` for a model in memory."""
 
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi
+from transformers.utils import logging
+from transformers.utils.hub import create_and_tag_model_card
 
 from .accounting import load_config
 from .model_card import MARKER, write_model_card
-from .storage_stem import PROVENANCE_FILES, check_checkpoint_files, stale_provenance
+from .storage_stem import (
+    PROVENANCE_FILES,
+    SAVE_ID_KEY,
+    check_checkpoint_files,
+    read_save_id,
+    stale_provenance,
+    write_card,
+)
+
+logger = logging.get_logger(__name__)
 
 # Hidden files, temporary files and evaluation results set aside for other weights never go up.
 IGNORE = [".*", "*.tmp", "lm_eval_results.*.json"]
@@ -57,4 +72,78 @@ def push_checkpoint(
     return commit.commit_url
 
 
-__all__ = ["push_checkpoint"]
+def _carry_provenance(model, loaded_id: str | None, tmp: str, fetch, on_hub: dict) -> None:
+    """Puts next to the pushed weights the provenance files of the folder `model` was loaded from, re-stamped with the
+    pushed save id when they describe the loaded weights; else keeps the repo's. A refreshed card then never says less
+    than the one it replaces."""
+    pushed_id = read_save_id(tmp)
+    for name in PROVENANCE_FILES:
+        local = os.path.join(model.name_or_path or "", name)
+        if model.name_or_path and os.path.isfile(local):
+            try:
+                with open(local, encoding="utf-8") as f:
+                    record = json.load(f)
+            except ValueError:  # copied as it is: the card says what is wrong with it
+                record = None
+            if not isinstance(record, dict) or record.get(SAVE_ID_KEY) is None:
+                shutil.copy(local, os.path.join(tmp, name))  # tied to no save
+            elif record[SAVE_ID_KEY] != loaded_id:
+                logger.warning(f"{local} describes other weights than the ones this model was loaded from: not pushed")
+            else:  # it describes the loaded weights, which are what this push uploads under a new save id
+                with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                    json.dump({**record, SAVE_ID_KEY: pushed_id}, f, indent=2)
+        elif on_hub[name]:
+            fetch(name)
+
+
+def push_model(
+    model,
+    repo_id: str,
+    *,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    private: bool | None = None,
+    token: bool | str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    max_shard_size: int | str | None = "50GB",
+    tags: list[str] | None = None,
+) -> str:
+    """`model.push_to_hub` for a STEM model: uploads what `save_pretrained` writes (config, copied code, dense and table
+    shards) and the stem-hf model card, with `repo_id` in its usage snippet. A card on the Hub that a person wrote is
+    kept, its tags updated, as transformers does; a card stem-hf generated is refreshed. `tags` go to the card only.
+    The tokenizer is pushed on its own (`tokenizer.push_to_hub`), or with the whole folder by `stem-hf push`. Returns
+    the commit URL."""
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as root:
+        tmp = os.path.join(root, "upload")
+
+        def fetch(name: str) -> None:  # hf_hub_download leaves a .cache folder in local_dir: not in the upload
+            path = api.hf_hub_download(repo_id, name, revision=revision, local_dir=root)
+            shutil.copy(path, os.path.join(tmp, name))
+
+        loaded_id = getattr(model, "stem_save_id", None)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)  # gives the model the pushed files' save id
+        on_hub = {name: api.file_exists(repo_id, name, revision=revision) for name in ("README.md", *PROVENANCE_FILES)}
+        _carry_provenance(model, loaded_id, tmp, fetch, on_hub)
+        if on_hub["README.md"] and revision is not None:
+            fetch("README.md")
+        elif on_hub["README.md"] or getattr(model, "_model_card_writer", None) is None:
+            all_tags = [*(model.model_tags or []), *(tags or [])]
+            create_and_tag_model_card(repo_id, all_tags, token=token).save(os.path.join(tmp, "README.md"))
+        write_card(model, tmp, repo_id, tags)
+        if revision is not None and not revision.startswith("refs/pr"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            revision=revision,
+            commit_message=commit_message or "Upload model",
+            commit_description=commit_description,
+            create_pr=create_pr,
+        )
+        return commit.pr_url if create_pr else commit.commit_url
+
+
+__all__ = ["push_checkpoint", "push_model"]

@@ -8,22 +8,15 @@ the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a
 Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
 """
 
-import dataclasses
-import json
-import math
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.integrations.accelerate import _get_device_map, check_and_set_device_map
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -36,43 +29,17 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
 from .storage_stem import (
-    PROVENANCE_FILES,
-    SAVE_ID_KEY,
-    TABLE_KEY,
-    advise_random_access,
-    check_checkpoint_files,
-    check_variant,
-    finish_checkpoint,
-    read_save_id,
-    staged_folder,
-    stale_provenance,
+    StemTable,
+    StemTableRows,
+    StemTables,
+    finish_load,
+    prepare_load,
+    save_checkpoint,
     unsaved_id,
+    xavier_normal_std,
 )
 
 logger = logging.get_logger(__name__)
-
-# What `from_pretrained` passes on to read a config from the Hub.
-_CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-# Config fields that give the saved tensors their shapes: a load cannot change them.
-_FIXED_AT_SAVE = ("stem_layers", "vocab_size", "intermediate_size", "hidden_size", "num_hidden_layers")
-
-
-def _refuse_shape_overrides(config: StemConfig, kwargs: dict) -> None:
-    """Raises if `from_pretrained(..., stem_layers=...)` (or another shape field) asks for other tensors than the
-    checkpoint holds: the override would otherwise reach the weights as a missing or unexpected table."""
-    for name in _FIXED_AT_SAVE:
-        if name not in kwargs:
-            continue
-        wanted = kwargs[name]
-        if name == "stem_layers":
-            wanted = resolve_stem_layers(wanted, config.num_hidden_layers)
-        if wanted != getattr(config, name):
-            hint = " (convert the dense model again with the layers you want)" if name == "stem_layers" else ""
-            raise ValueError(
-                f"{name}={kwargs[name]!r}: the checkpoint was saved with {name}={getattr(config, name)!r}, and a load "
-                f"cannot change which tensors it holds{hint}"
-            )
-        del kwargs[name]
 
 
 class StemRMSNorm(nn.Module):
@@ -266,41 +233,19 @@ class StemTableMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * rows)
 
 
-class StemTable(nn.Embedding):
-    """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
-    the token embedding and give it the paper's xavier-normal init."""
+class StemRows(Protocol):
+    """One forward's table rows: `rows[layer_idx]` is STEM layer `layer_idx`'s rows for the forward's table ids, shaped
+    `(*stem_input_ids.shape, intermediate_size)`, on any device and in any dtype (the layer casts them)."""
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor: ...
 
 
-class StemTableRows:
-    """The table rows of one batch, handed out per STEM layer.
+class StemRowSource(Protocol):
+    """Where a forward's table rows come from: called once per forward with its table ids. The model's `StemTables` is
+    the default source; `StemModel.set_row_source` plugs in another (the offload engine serves rows from a host store,
+    the knowledge editor serves other tokens' rows)."""
 
-    This default gathers each layer's rows when that layer asks, inside the layer's (possibly checkpointed) forward, so
-    activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a model on an
-    accelerator is read on the host for the batch's distinct ids only, and only those rows cross to the accelerator.
-    An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
-    """
-
-    def __init__(self, tables: "StemTables", stem_input_ids: torch.LongTensor):
-        self.tables = tables
-        self.stem_input_ids = stem_input_ids
-        self._unique = None
-
-    def __getitem__(self, layer_idx: int) -> torch.Tensor:
-        table = self.tables[str(layer_idx)]
-        ids = self.stem_input_ids
-        table_device = table.weight.device
-        if table_device == ids.device or table_device.type == "meta":  # meta: an accelerate hook brings the weight
-            return table(ids)
-        return self.gather_unique(table, ids)
-
-    def gather_unique(self, table: nn.Embedding, ids: torch.LongTensor) -> torch.Tensor:
-        """Rows for `ids` from a table on another device: looks up each distinct id once on the table's device and
-        moves only those rows to the device of `ids`. Differentiable, so host-resident tables also train."""
-        if self._unique is None:  # deduplicate once per forward, for every layer
-            unique, inverse = torch.unique(ids.to(table.weight.device), return_inverse=True)
-            self._unique = unique, inverse.to(ids.device, non_blocking=True)
-        unique, inverse = self._unique
-        return table(unique).to(ids.device, non_blocking=True)[inverse]
+    def __call__(self, stem_input_ids: torch.LongTensor) -> StemRows: ...
 
 
 class StemSoftPromptRows:
@@ -313,159 +258,6 @@ class StemSoftPromptRows:
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         return nn.functional.pad(self.rows[layer_idx], (0, 0, self.num_soft, 0))
-
-
-_OPTIMIZER_HOOK = None  # the handle of `_check_optimizer`, registered at most once per process
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
-    table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
-    Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
-    decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
-    Trainer's groups."""
-    tables = getattr(optimizer, "_stem_tables", None)
-    if tables is None:
-        tables = optimizer._stem_tables = [
-            (group, p) for group in optimizer.param_groups for p in group["params"] if getattr(p, "_stem_table", False)
-        ]
-        decayed = next((group for group, _ in tables if group.get("weight_decay")), None)
-        if decayed is not None:
-            logger.warning(
-                f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "
-                "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
-                "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
-            )
-    for _, param in tables:
-        if param.dtype != torch.float32:
-            continue  # only an upcast table needs its state raised; optimizers may keep fp32 state on purpose
-        state = optimizer.state.get(param, {})
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dtype in (torch.bfloat16, torch.float16) and value.shape == param.shape:
-                state[key] = value.float()
-
-
-class StemTables(nn.ModuleDict):
-    """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`.
-
-    Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
-    accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
-
-    Trainable tables train in float32: `train()` casts them (`upcast_trainable`; set `upcast_for_training` to False to
-    keep them as stored) and sets `config.table_dtype` to float32, so that saves keep every update. A bf16 value moves
-    only by steps of 1/256 of its size: fine-tuning updates would round away in training and again at save time.
-    """
-
-    upcast_for_training: bool = True
-
-    def __init__(self, config: StemConfig):
-        dtype = getattr(torch, config.table_dtype)
-        super().__init__(
-            {str(i): StemTable(config.vocab_size, config.intermediate_size, dtype=dtype) for i in config.stem_layers}
-        )
-        self.config = config
-
-    def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
-        if self.training and torch.is_grad_enabled():
-            low = {
-                str(t.weight.dtype)[6:]
-                for t in self.values()
-                if t.weight.requires_grad and t.weight.dtype != torch.float32
-            }
-            if low:
-                logger.warning_once(
-                    f"training STEM tables in {', '.join(sorted(low))}: updates smaller than 1/256 of a value are lost "
-                    "to rounding. Call model.base_model.stem_tables.upcast_trainable() before wrapping the model for "
-                    "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
-                )
-        return StemTableRows(self, stem_input_ids)
-
-    def train(self, mode: bool = True) -> "StemTables":
-        super().train(mode)
-        if mode:
-            trainable = [t.weight for t in self.values() if t.weight.requires_grad]
-            for weight in trainable:
-                weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
-            global _OPTIMIZER_HOOK
-            if trainable and _OPTIMIZER_HOOK is None:
-                _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
-            # A model wrapped for DDP/FSDP cannot change a parameter's dtype: there, upcast_trainable() is the
-            # caller's, before wrapping, and the forward warns.
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-            if self.upcast_for_training and not distributed:
-                self.upcast_trainable()
-        return self
-
-    def upcast_trainable(self) -> list[str]:
-        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is),
-        records float32 in `config.table_dtype` (what saves write: `model.set_table_dtype("bfloat16")` stores bf16
-        again), and returns their layer keys. Sharded (DTensor) tables are left as they are."""
-        keys = [
-            k
-            for k, t in self.items()
-            if t.weight.requires_grad
-            and t.weight.dtype != torch.float32
-            and t.weight.device.type != "meta"
-            and type(t.weight).__name__ != "DTensor"
-        ]
-        if not keys:
-            return []
-        stored = self.config.table_dtype
-        for key in keys:
-            self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
-        # Saves follow the config: float32 once every table is, so the updates are kept; with frozen tables still in
-        # their stored dtype, the config stays and the save warns that it rounds the trained ones.
-        if all(t.weight.dtype == torch.float32 for t in self.values()):
-            self.config.table_dtype = "float32"
-        logger.warning_once(
-            f"STEM tables {keys} train in float32: cast from {stored} in memory "
-            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); config.table_dtype is "
-            f"{self.config.table_dtype} (model.set_table_dtype chooses what saves write). Freeze them "
-            "(requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them as "
-            "stored"
-        )
-        return keys
-
-    def _apply(self, fn, recurse=True):
-        weight = next(self.parameters(), None)
-        if weight is None:
-            return super()._apply(fn, recurse)
-        # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
-        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
-        device = probe.device
-        if self.config.keep_tables_on_cpu and device.type != "cpu" and device != weight.device:
-            device = torch.device("cpu")  # a refused move: stay in, or come to, host memory
-        if probe.dtype == weight.dtype and device == probe.device:
-            return super()._apply(fn, recurse)  # no cast and no refused move: e.g. share_memory_, a move to CPU
-        if device == weight.device:
-            return self
-        if weight.device.type == "meta":  # nothing to copy: `to_empty` to an accelerator lands tables on the CPU
-            return super()._apply(lambda t: torch.empty_like(t, device=device), recurse)
-        return super()._apply(lambda t: t.to(device), recurse)
-
-    @torch.no_grad()
-    def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
-        """Gives every table `new_num_tokens` rows. Kept rows are copied; new rows are the mean of the old rows
-        (`mean_resizing=True`: the table's best guess for a token it knows nothing about) or drawn from the paper's
-        xavier-normal init (`mean_resizing=False`)."""
-        for key, old in list(self.items()):
-            old_num_tokens, dim = old.weight.shape
-            if old_num_tokens == new_num_tokens:
-                continue
-            new = StemTable(new_num_tokens, dim, device=old.weight.device, dtype=old.weight.dtype)
-            kept = min(old_num_tokens, new_num_tokens)
-            new.weight[:kept] = old.weight[:kept]
-            if new_num_tokens > old_num_tokens:
-                if mean_resizing:
-                    new.weight[old_num_tokens:] = old.weight.mean(0, dtype=torch.float32).to(old.weight.dtype)
-                else:
-                    new.weight[old_num_tokens:].normal_(0.0, xavier_normal_std(new_num_tokens, dim))
-            new.weight.requires_grad_(old.weight.requires_grad)
-            self[key] = new
-
-
-def xavier_normal_std(vocab_size: int, intermediate_size: int) -> float:
-    return math.sqrt(2.0 / (vocab_size + intermediate_size))
 
 
 class StemDecoderLayer(GradientCheckpointingLayer):
@@ -534,302 +326,57 @@ class StemPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_record_outputs = {
-        "hidden_states": StemDecoderLayer,
-        "attentions": StemAttention,
-    }
-    # Set by the stem_hf package (`stem_hf.model_card.write_model_card`): the card template and renderer ship with the
-    # package, not with the code copied next to the weights, so a model loaded without stem_hf saves no card.
+    _can_record_outputs = {"hidden_states": StemDecoderLayer, "attentions": StemAttention}
+    # Set by the stem_hf package, whose card template and Hub code do not ship next to the weights: a model loaded
+    # without it saves no card and pushes as any transformers model does.
     _model_card_writer: Callable | None = None
+    _hub_pusher: Callable | None = None
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, StemTable):
-            # The paper's init: xavier-normal over the [vocab, d_ff] table, tiny next to a normal up-projection output.
+        if isinstance(module, StemTable):  # the paper's xavier-normal init over the [vocab, d_ff] table
             init.normal_(module.weight, mean=0.0, std=xavier_normal_std(*module.weight.shape))
         else:
             super()._init_weights(module)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, after checking a local checkpoint's files: a missing shard, a truncated or
-        corrupt file, or a table whose shape disagrees with the config raises an error naming the file and tensor.
-
-        On CPU, tables stored in `config.table_dtype` load as zero-copy views on a private memory map of their files:
-        only the rows a forward touches are read, and writing to a table never alters its file.
-        """
-        path = pretrained_model_name_or_path
-        save_id = None  # the checkpoint's, from check_checkpoint_files when it is a local folder
-        folder = None if path is None else os.path.join(os.fspath(path), kwargs.get("subfolder", ""))
-        device_map = kwargs.get("device_map")
-        shape_override = any(name in kwargs for name in _FIXED_AT_SAVE)
-        if path is not None and (os.path.isdir(folder) or device_map is not None or shape_override):
-            config = kwargs.get("config")
-            if getattr(config, "model_type", None) != StemConfig.model_type:
-                # The config from_pretrained will build: the saved one with the caller's overrides applied.
-                fields = {f.name for f in dataclasses.fields(StemConfig)} - set(_FIXED_AT_SAVE)
-                overrides = {k: v for k, v in kwargs.items() if k in fields or k in _CONFIG_KWARGS}
-                config = StemConfig.from_pretrained(path, **overrides)
-            _refuse_shape_overrides(config, kwargs)
-            if os.path.isdir(folder):
-                save_id = check_checkpoint_files(
-                    folder, config.vocab_size, config.intermediate_size, config.stem_layers, kwargs.get("variant")
-                )
-            if device_map is not None and config.keep_tables_on_cpu and config.stem_layers:
-                dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-                kwargs["device_map"] = cls._device_map_keeping_tables_on_cpu(
-                    config, device_map, kwargs.get("max_memory"), dtype
-                )
+        """`PreTrainedModel.from_pretrained` after `storage_stem.prepare_load`'s checks; tables stay in host memory
+        under a `device_map`, and load as copy-on-write memory maps of their files when stored in `table_dtype`."""
+        save_id = prepare_load(cls, pretrained_model_name_or_path, kwargs)
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
-        # Which save of the folder's weights this model holds: provenance files beside them (conversion report,
-        # evaluation results) are matched against it, not against whatever a later save left in the folder.
-        model.stem_save_id = save_id
-        for table in model.base_model.stem_tables.values():
-            advise_random_access(table.weight)
+        finish_load(loaded[0] if isinstance(loaded, tuple) else loaded, save_id)  # a tuple: output_loading_info
         return loaded
 
-    @classmethod
-    def _device_map_keeping_tables_on_cpu(
-        cls, config: StemConfig, device_map, max_memory: dict | None = None, dtype: torch.dtype | str | None = None
-    ) -> dict:
-        """The device map transformers would use, with no entry that covers a table. Parameters outside the map load on
-        CPU and get no accelerate hook, so the tables stay in host memory (memory-mapped) and each forward moves only
-        the rows it needs; a "cpu" entry would instead copy the whole table to the accelerator at every forward."""
-        if dtype is None or dtype == "auto":
-            dtype = config.dtype or torch.float32
-        with torch.device("meta"):
-            model = cls(config).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)  # sizes the map
-        tables = model.base_model.stem_tables
-        tables_name = next(name for name, module in model.named_modules() if module is tables)
-        device_map = check_and_set_device_map(device_map)
-        if isinstance(device_map, str):  # "auto", "balanced", ...: place the model as if it had no tables
-            for key in list(tables.keys()):
-                del tables[key]
-            device_map = _get_device_map(model, device_map, max_memory, None)
-        device_map = {k: v for k, v in device_map.items() if k != tables_name and not k.startswith(tables_name + ".")}
-        modules = dict(model.named_modules())
-        while (
-            covering := next((k for k in device_map if k == "" or tables_name.startswith(k + ".")), None)
-        ) is not None:
-            device = device_map.pop(covering)
-            prefix = f"{covering}." if covering else ""
-            parent = modules[covering]
-            children = [name for name, _ in parent.named_children()]
-            children += [name for name, _ in parent.named_parameters(recurse=False)]
-            children += [name for name, _ in parent.named_buffers(recurse=False)]
-            device_map.update({prefix + name: device for name in children if prefix + name != tables_name})
-        return device_map
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike,
-        is_main_process: bool = True,
-        state_dict: dict | None = None,
-        push_to_hub: bool = False,
-        max_shard_size: int | str = "50GB",
-        **kwargs,
-    ) -> None:
-        """`PreTrainedModel.save_pretrained`, with the tables in their own `stem-tables-XXXXX-of-YYYYY.safetensors`
-        files (in `config.table_dtype`, at most `max_shard_size` each) listed with the dense shards in one
-        `model.safetensors.index.json`. The save is staged in a hidden folder (beside a new `save_directory`, inside an
-        existing one) and committed by renames, so an interrupted save never leaves half-written files in place of a
-        good checkpoint; every weight file and the index, written last, carry one fresh save id, so that a save killed
-        between its renames is refused at load rather than loaded as a mix of two saves. With `variant` ("fp16"), the
-        files are named as transformers names a variant's (`model.fp16-00001-of-00001.safetensors`,
-        `stem-tables.fp16-...`, `model.safetensors.index.fp16.json`) and sit beside the other variants'.
-
-        Provenance files already in `save_directory` (`conversion_report.json`, `lm_eval_results.json`) that record an
-        earlier save's id no longer describe these weights: they are kept, named in a warning, and left out of the
-        model card."""
+    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, with tables in their own shards, staged and atomic
+        (`storage_stem.save_checkpoint`). Adapters and non-saving ranks go through transformers as they are."""
         if getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process):
-            # Adapters hold no tables; other ranks take part in transformers' collective steps but write nothing.
-            return super().save_pretrained(
-                save_directory, is_main_process, state_dict, push_to_hub, max_shard_size, **kwargs
-            )
-        variant = kwargs.pop("variant", None) or None
-        check_variant(variant)
-        hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
-        if state_dict is None:
-            state_dict = self.state_dict()
-        tables = {name: tensor for name, tensor in state_dict.items() if TABLE_KEY.search(name)}
-        dense = {name: tensor for name, tensor in state_dict.items() if name not in tables}
-        offloaded = [name for name, tensor in tables.items() if tensor.device.type == "meta"]
-        if offloaded:
-            raise ValueError(
-                f"{offloaded[0]} is offloaded to disk (on the meta device) and cannot be saved: load the model with "
-                "keep_tables_on_cpu=True (the default) or without a 'disk' entry for the tables in device_map"
-            )
-        finer = sorted(
-            {str(t.dtype)[6:] for t in tables.values() if t.itemsize > getattr(torch, self.config.table_dtype).itemsize}
-        )
-        if finer:
-            logger.warning_once(
-                f"tables held in {', '.join(finer)} (trained: train() upcasts them) are saved in config.table_dtype "
-                f"{self.config.table_dtype}, which rounds away updates smaller than its spacing; "
-                "model.set_table_dtype('float32') before saving keeps every update, in twice the bytes"
-            )
-        # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
-        if self._auto_class is not None:
-            auto_map = getattr(self.config, "auto_map", None) or {}
-            self.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
-        with staged_folder(save_directory, variant) as staging:
-            super().save_pretrained(staging, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
-            dtype = getattr(torch, self.config.table_dtype)
-            save_id = finish_checkpoint(staging, tables, dtype, max_shard_size, self.num_parameters(), variant)
-        self.stem_save_id = save_id  # the weights in memory are now those of this save
-        stale = stale_provenance(save_directory, PROVENANCE_FILES)
-        if stale:
-            logger.warning(
-                f"{save_directory}: {', '.join(stale)} describe the weights of an earlier save, not these; they are "
-                "kept but left out of the model card. Re-run the conversion or evaluation, or remove them."
-            )
-        self._write_model_card(save_directory)
-        if push_to_hub:
-            repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
-            self.push_to_hub(repo_id, max_shard_size=max_shard_size, token=kwargs.get("token"), **hub_kwargs)
+            return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        save_checkpoint(self, save_directory, super().save_pretrained, state_dict, **kwargs)
 
-    def _write_model_card(
-        self, folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None
-    ) -> None:
-        """Writes or refreshes `README.md` when stem_hf is installed; never replaces a card a person wrote. A card that
-        cannot be rendered (say, a corrupt `conversion_report.json`) is a warning: the weights are saved by then."""
-        if self._model_card_writer is None:
-            return
-        try:
-            self._model_card_writer(folder, repo_id=repo_id, tags=[*(self.model_tags or []), *(tags or [])])
-        except Exception as err:  # noqa: BLE001 - a card is never worth failing a save that already succeeded
-            logger.warning(f"no model card written to {folder}: {type(err).__name__}: {err}")
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        commit_message: str | None = None,
-        commit_description: str | None = None,
-        private: bool | None = None,
-        token: bool | str | None = None,
-        revision: str | None = None,
-        create_pr: bool = False,
-        max_shard_size: int | str | None = "50GB",
-        tags: list[str] | None = None,
-    ) -> str:
-        """`PushToHubMixin.push_to_hub`, uploading what `save_pretrained` writes: config, copied code, dense and table
-        shards, and the stem-hf model card (with `repo_id` in its usage snippet). A card on the Hub that a person wrote
-        is kept, its tags updated, as transformers does; a card stem-hf generated is refreshed. `tags` go to the card
-        only. The tokenizer is pushed on its own (`tokenizer.push_to_hub`), or with the whole folder by `stem-hf push`.
-        """
-        from transformers.utils.hub import create_and_tag_model_card, hf_api  # only pushes need them
-
-        api = hf_api()
-        repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as root:
-            tmp = os.path.join(root, "upload")
-
-            def fetch(name: str) -> None:  # hf_hub_download leaves a .cache folder in local_dir: not in the upload
-                path = api.hf_hub_download(repo_id, name, revision=revision, token=token, local_dir=root)
-                shutil.copy(path, os.path.join(tmp, name))
-
-            loaded_id = getattr(self, "stem_save_id", None)  # the save gives the model the pushed files' id
-            self.save_pretrained(tmp, max_shard_size=max_shard_size)
-            # The card also describes how the model was made and evaluated: take those files from the folder the model
-            # was loaded from, else keep the repo's, so that a refreshed card never says less than the one it replaces.
-            on_hub = {
-                name: api.file_exists(repo_id, name, revision=revision, token=token)
-                for name in ("README.md", *PROVENANCE_FILES)
-            }
-            pushed_id = read_save_id(tmp)
-            for name in PROVENANCE_FILES:
-                local = os.path.join(self.name_or_path or "", name)
-                if self.name_or_path and os.path.isfile(local):
-                    try:
-                        with open(local, encoding="utf-8") as f:
-                            record = json.load(f)
-                    except ValueError:  # copied as it is: the card says what is wrong with it
-                        record = None
-                    if not isinstance(record, dict) or record.get(SAVE_ID_KEY) is None:
-                        shutil.copy(local, os.path.join(tmp, name))  # tied to no save
-                    elif record[SAVE_ID_KEY] != loaded_id:
-                        logger.warning(
-                            f"{local} describes other weights than the ones this model was loaded from: not pushed"
-                        )
-                    else:  # it describes the loaded weights, which are what this push uploads under a new save id
-                        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                            json.dump({**record, SAVE_ID_KEY: pushed_id}, f, indent=2)
-                elif on_hub[name]:
-                    fetch(name)
-            all_tags = [*(self.model_tags or []), *(tags or [])]
-            if on_hub["README.md"] and revision is not None:
-                fetch("README.md")
-            elif on_hub["README.md"] or self._model_card_writer is None:
-                create_and_tag_model_card(repo_id, all_tags, token=token).save(os.path.join(tmp, "README.md"))
-            self._write_model_card(tmp, repo_id, tags)
-            return self._upload_modified_files(
-                tmp,
-                repo_id,
-                files_timestamps={},
-                commit_message=commit_message,
-                token=token,
-                create_pr=create_pr,
-                revision=revision,
-                commit_description=commit_description,
-            )
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Uploads what `save_pretrained` writes, with the stem-hf card and provenance (`stem_hf.hub.push_model`) when
+        the package is installed."""
+        if self._hub_pusher is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return self._hub_pusher(self, repo_id, **kwargs)
 
     def train(self, mode: bool = True) -> "StemPreTrainedModel":
-        """`nn.Module.train`. A model put in training mode stops vouching for the checkpoint it was loaded from: its
-        `stem_save_id` becomes an id no save has, so results evaluated afterwards are filed under no checkpoint's
-        weights (until `save_pretrained` gives it the id of what it wrote)."""
-        if mode:
+        if mode:  # a model in training stops vouching for the checkpoint it was loaded from
             self.stem_save_id = unsaved_id()
         return super().train(mode)
 
     def set_table_dtype(self, dtype: torch.dtype | str) -> None:
         """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""
-        name = str(dtype).removeprefix("torch.")
-        check_table_dtype(name)
-        self.config.table_dtype = name
+        self.config.table_dtype = check_table_dtype(str(dtype).removeprefix("torch."))
         for table in self.base_model.stem_tables.values():
-            table.to(getattr(torch, name))
+            table.to(getattr(torch, self.config.table_dtype))
 
-    def resize_token_embeddings(
-        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
-    ) -> nn.Embedding:
-        """Resizes the token embedding, the LM head and every STEM table. New table rows are the mean of the existing
-        rows when `mean_resizing` (the default), else drawn from the xavier-normal init of a fresh table."""
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
+        """Also resizes every STEM table; new rows are the mean of the old ones (`mean_resizing`) or xavier-normal."""
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.base_model.stem_tables.resize(embeddings.num_embeddings, mean_resizing)
         return embeddings
-
-    # Accounting. Conventions follow the paper: the token embedding and the LM head count as active parameters, and a
-    # STEM layer activates one table row (intermediate_size parameters) per token.
-    def num_table_parameters(self) -> int:
-        """Parameters held in STEM tables."""
-        return sum(p.numel() for p in self.base_model.stem_tables.parameters())
-
-    def num_active_parameters(self) -> int:
-        """Parameters that one token's forward uses: everything but the tables, plus one row per STEM layer."""
-        rows = len(self.config.stem_layers) * self.config.intermediate_size
-        return self.num_parameters() - self.num_table_parameters() + rows
-
-    def num_dense_parameters(self) -> int:
-        """Parameters of the dense model of the same shape (each table replaced by an up-projection)."""
-        config = self.config
-        up_proj = config.hidden_size * config.intermediate_size + (config.intermediate_size if config.mlp_bias else 0)
-        return self.num_parameters() - self.num_table_parameters() + len(config.stem_layers) * up_proj
-
-    def flops_per_token(self, context_length: int, dense: bool = False) -> int:
-        """Forward FLOPs (2 per multiply-add) of one token that attends to `context_length` positions, LM head included.
-
-        `dense=True` gives the dense model of the same shape. Per STEM layer, STEM saves `2 * hidden * intermediate`
-        FLOPs. For a causal sequence of length L the mean context is (L + 1) / 2; the paper's saved-fraction formula
-        `d_ff / (4d + 2L + 3 d_ff)` uses L.
-        """
-        config = self.config
-        d, d_ff, hd = config.hidden_size, config.intermediate_size, config.head_dim
-        q_width, kv_width = config.num_attention_heads * hd, config.num_key_value_heads * hd
-        attention = 2 * d * q_width + 2 * d * kv_width + 2 * q_width * context_length
-        n_stem = 0 if dense else len(config.stem_layers)
-        mlp = 3 * d * d_ff * (config.num_hidden_layers - n_stem) + 2 * d * d_ff * n_stem
-        return 2 * (attention * config.num_hidden_layers + mlp + d * config.vocab_size)
 
 
 class StemModel(StemPreTrainedModel):
@@ -844,6 +391,7 @@ class StemModel(StemPreTrainedModel):
             [StemDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.stem_tables = StemTables(config)
+        self.row_source: StemRowSource | None = None  # None: `stem_tables`; see `set_row_source`
         # Left out of device maps on purpose (see `_device_map_keeping_tables_on_cpu`); a non-None value makes
         # transformers skip accelerate's check that every parameter has a device.
         self._no_placement_params = [f"stem_tables.{i}.weight" for i in config.stem_layers]
@@ -851,6 +399,13 @@ class StemModel(StemPreTrainedModel):
         self.rotary_emb = StemRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def set_row_source(self, source: StemRowSource | None) -> StemRowSource | None:
+        """Serves the table rows of later forwards from `source` (None: this model's tables). Returns the source it
+        replaces, for the caller to restore: sources stack, the last set being the first restored."""
+        previous = self.row_source
+        self.__dict__["row_source"] = source  # never registered as a submodule: it is not part of the model
+        return previous
 
     @merge_with_config_defaults
     @capture_outputs
@@ -904,7 +459,7 @@ class StemModel(StemPreTrainedModel):
                     f"sequence_length) = {(batch, length)}: give one table id per input position (with "
                     "`inputs_embeds`, fewer ids mean that the first positions are soft prompts without a token)"
                 )
-            stem_rows = self.stem_tables(stem_input_ids)
+            stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
             if num_soft:
                 stem_rows = StemSoftPromptRows(stem_rows, num_soft)
 
@@ -1072,4 +627,4 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["StemForCausalLM", "StemModel", "StemPreTrainedModel"]
+__all__ = ["StemForCausalLM", "StemModel", "StemPreTrainedModel", "StemRowSource", "StemRows"]

@@ -11,8 +11,8 @@
   `plan(prompt, chunk_size)` announces a chunked prefill: while one chunk computes, a background thread gathers (and
   starts copying) the next chunk's rows into the other staging buffer.
 
-It plugs into the model as a forward hook on `model.model.stem_tables`, so `generate()` (greedy, sampling, batched,
-with the KV cache) and `device_map` loads work unchanged, and the model's code is untouched. Without an accelerator
+It plugs into the model as its row source (`StemModel.set_row_source`), so `generate()` (greedy, sampling, batched,
+with the KV cache) and `device_map` loads work unchanged. Without an accelerator
 the same engine serves rows from host memory (no copy): the plain CPU gather path.
 """
 
@@ -182,20 +182,23 @@ class StemOffloadEngine:
         self._plan: deque[torch.Tensor] = deque()
         self._ahead: Future | None = None
         self._worker: ThreadPoolExecutor | None = None
-        self._hook = None
+        self._attached = False
+        self._previous = None  # the row source the engine replaced while attached
         self.freed = free_tables
         if free_tables:
             for module in self.tables_module.values():
                 module.weight = nn.Parameter(torch.empty(0, width, dtype=module.weight.dtype), requires_grad=False)
 
     def attach(self) -> "StemOffloadEngine":
-        if self._hook is None:
-            self._hook = self.tables_module.register_forward_hook(lambda _m, args, _out: self.rows(args[0]))
+        """Serves the model's rows from the engine (`StemModel.set_row_source`) until `detach`."""
+        if not self._attached:
+            self._previous = self.model.base_model.set_row_source(self.rows)
+            self._attached = True
         return self
 
     def detach(self) -> None:
-        """Unhooks the engine. Tables freed by `free_tables=True` are rebuilt from the store first (exactly: an int8
-        store cannot rebuild them, and refuses), so the model runs and saves as before."""
+        """Gives the model its previous row source back. Tables freed by `free_tables=True` are rebuilt from the store
+        first (exactly: an int8 store cannot rebuild them, and refuses), so the model runs and saves as before."""
         self._drop_plan()
         if self._worker is not None:
             self._worker.shutdown()
@@ -207,9 +210,9 @@ class StemOffloadEngine:
                 rows = self.store.data[:, slot].clone()
                 self.tables_module[str(layer)].weight = nn.Parameter(rows, requires_grad=False)
             self.freed = False
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self._attached:
+            self.model.base_model.set_row_source(self._previous)
+            self._attached, self._previous = False, None
 
     def __enter__(self) -> "StemOffloadEngine":
         return self.attach()
@@ -326,7 +329,7 @@ class StemOffloadEngine:
 
     @torch.no_grad()
     def rows(self, stem_input_ids: torch.Tensor) -> StemOffloadedRows:
-        """The rows of one forward for every STEM layer (what the forward hook hands the layers)."""
+        """The rows of one forward for every STEM layer: the engine's row source (`StemRowSource`)."""
         self.forwards += 1
         if self._plan:
             host_ids = stem_input_ids.cpu()

@@ -7,6 +7,8 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond the stan
 
 import ctypes
 import ctypes.util
+import dataclasses
+import importlib
 import json
 import math
 import os
@@ -16,16 +18,23 @@ import shutil
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers.modeling_utils import safe_save_file
-from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, logging
-from transformers.utils.hub import convert_file_size_to_int
+import transformers
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from transformers.utils import logging
+
+from .configuration_stem import SUPPORTED_TRANSFORMERS, StemConfig, resolve_stem_layers
 
 logger = logging.get_logger(__name__)
 
+# transformers' file names, spelled here so that this file imports no name transformers' model files do not.
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 TABLE_KEY = re.compile(r"(?:^|\.)stem_tables\.(\d+)\.weight$")
 TABLES_FILE = "stem-tables-{index:05d}-of-{total:05d}.safetensors"
 DENSE_FILE = "model-00001-of-00001.safetensors"
@@ -48,6 +57,18 @@ _STAGING_PREFIX = ".stem-saving-"
 _STALE_AFTER_S = 60.0
 # Where no lock can tell (no fcntl, or a file system without flock): only this old.
 _STALE_UNLOCKED_AFTER_S = 24 * 3600.0
+
+
+def _transformers_name(module: str, name: str):
+    """A transformers name that its model files do not import, imported where it is used: a rename in a release
+    outside the supported range fails there, with the range in the error, not when the model is imported."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(
+            f"{module}.{name} is missing from transformers {transformers.__version__}; STEM checkpoints are tested "
+            f"with transformers{SUPPORTED_TRANSFORMERS} ({error})"
+        ) from error
 
 
 def check_variant(variant: str | None) -> None:
@@ -367,7 +388,7 @@ def save_tables(
     """Writes the tables in `dtype` to `stem-tables[.VARIANT]-XXXXX-of-YYYYY.safetensors` files of at most
     `max_shard_size` (a table larger than that gets a file of its own), one table cast at a time, each stamped with
     `save_id`. Returns their weight map."""
-    limit = convert_file_size_to_int(max_shard_size)
+    limit = _transformers_name("transformers.utils.hub", "convert_file_size_to_int")(max_shard_size)
     shards, size = [[]], 0
     for name in sorted(tables, key=lambda n: int(TABLE_KEY.search(n).group(1))):
         nbytes = tables[name].numel() * dtype.itemsize
@@ -378,11 +399,12 @@ def save_tables(
         size += nbytes
     shards = [names for names in shards if names]
     metadata = {"format": "pt", **({SAVE_ID_KEY: save_id} if save_id else {})}
+    save_file = _transformers_name("transformers.modeling_utils", "safe_save_file")
     weight_map = {}
     for i, names in enumerate(logging.tqdm(shards, desc="Writing STEM tables", disable=not shards), start=1):
         file = _shard_name("stem-tables.safetensors", variant, i, len(shards))
         shard = {name: tables[name].detach().to(device="cpu", dtype=dtype).contiguous() for name in names}
-        safe_save_file(shard, os.path.join(folder, file), metadata=metadata)
+        save_file(shard, os.path.join(folder, file), metadata=metadata)
         weight_map.update(dict.fromkeys(names, file))
     return weight_map
 
@@ -572,6 +594,381 @@ def staged_folder(target: str | os.PathLike, variant: str | None = None) -> Iter
         shutil.rmtree(staging, ignore_errors=True)
         if lock is not None:
             os.close(lock)
+
+
+# Tables in memory ----------------------------------------------------------------------------------------------
+
+
+class StemTable(nn.Embedding):
+    """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
+    the token embedding and give it the paper's xavier-normal init."""
+
+
+class StemTableRows:
+    """The table rows of one batch, handed out per STEM layer.
+
+    This default gathers each layer's rows when that layer asks, inside the layer's (possibly checkpointed) forward, so
+    activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a model on an
+    accelerator is read on the host for the batch's distinct ids only, and only those rows cross to the accelerator.
+    An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
+    """
+
+    def __init__(self, tables: "StemTables", stem_input_ids: torch.LongTensor):
+        self.tables = tables
+        self.stem_input_ids = stem_input_ids
+        self._unique = None
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        table = self.tables[str(layer_idx)]
+        ids = self.stem_input_ids
+        table_device = table.weight.device
+        if table_device == ids.device or table_device.type == "meta":  # meta: an accelerate hook brings the weight
+            return table(ids)
+        return self.gather_unique(table, ids)
+
+    def gather_unique(self, table: nn.Embedding, ids: torch.LongTensor) -> torch.Tensor:
+        """Rows for `ids` from a table on another device: looks up each distinct id once on the table's device and
+        moves only those rows to the device of `ids`. Differentiable, so host-resident tables also train."""
+        if self._unique is None:  # deduplicate once per forward, for every layer
+            unique, inverse = torch.unique(ids.to(table.weight.device), return_inverse=True)
+            self._unique = unique, inverse.to(ids.device, non_blocking=True)
+        unique, inverse = self._unique
+        return table(unique).to(ids.device, non_blocking=True)[inverse]
+
+
+_OPTIMIZER_HOOK = None  # the handle of `_check_optimizer`, registered at most once per process
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
+    table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
+    Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
+    decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
+    Trainer's groups."""
+    tables = getattr(optimizer, "_stem_tables", None)
+    if tables is None:
+        tables = optimizer._stem_tables = [
+            (group, p) for group in optimizer.param_groups for p in group["params"] if getattr(p, "_stem_table", False)
+        ]
+        decayed = next((group for group, _ in tables if group.get("weight_decay")), None)
+        if decayed is not None:
+            logger.warning(
+                f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "
+                "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
+                "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
+            )
+    for _, param in tables:
+        if param.dtype != torch.float32:
+            continue  # only an upcast table needs its state raised; optimizers may keep fp32 state on purpose
+        state = optimizer.state.get(param, {})
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dtype in (torch.bfloat16, torch.float16) and value.shape == param.shape:
+                state[key] = value.float()
+
+
+class StemTables(nn.ModuleDict):
+    """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`.
+
+    Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
+    accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
+
+    Trainable tables train in float32: `train()` casts them (`upcast_trainable`; set `upcast_for_training` to False to
+    keep them as stored) and sets `config.table_dtype` to float32, so that saves keep every update. A bf16 value moves
+    only by steps of 1/256 of its size: fine-tuning updates would round away in training and again at save time.
+    """
+
+    upcast_for_training: bool = True
+
+    def __init__(self, config: StemConfig):
+        dtype = getattr(torch, config.table_dtype)
+        super().__init__(
+            {str(i): StemTable(config.vocab_size, config.intermediate_size, dtype=dtype) for i in config.stem_layers}
+        )
+        self.config = config
+
+    def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
+        if self.training and torch.is_grad_enabled():
+            low = {
+                str(t.weight.dtype)[6:]
+                for t in self.values()
+                if t.weight.requires_grad and t.weight.dtype != torch.float32
+            }
+            if low:
+                logger.warning_once(
+                    f"training STEM tables in {', '.join(sorted(low))}: updates smaller than 1/256 of a value are lost "
+                    "to rounding. Call model.base_model.stem_tables.upcast_trainable() before wrapping the model for "
+                    "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
+                )
+        return StemTableRows(self, stem_input_ids)
+
+    def train(self, mode: bool = True) -> "StemTables":
+        super().train(mode)
+        if mode:
+            trainable = [t.weight for t in self.values() if t.weight.requires_grad]
+            for weight in trainable:
+                weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
+            global _OPTIMIZER_HOOK
+            if trainable and _OPTIMIZER_HOOK is None:
+                _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+            # A model wrapped for DDP/FSDP cannot change a parameter's dtype: there, upcast_trainable() is the
+            # caller's, before wrapping, and the forward warns.
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if self.upcast_for_training and not distributed:
+                self.upcast_trainable()
+        return self
+
+    def upcast_trainable(self) -> list[str]:
+        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is),
+        records float32 in `config.table_dtype` (what saves write: `model.set_table_dtype("bfloat16")` stores bf16
+        again), and returns their layer keys. Sharded (DTensor) tables are left as they are."""
+        keys = [
+            k
+            for k, t in self.items()
+            if t.weight.requires_grad
+            and t.weight.dtype != torch.float32
+            and t.weight.device.type != "meta"
+            and type(t.weight).__name__ != "DTensor"
+        ]
+        if not keys:
+            return []
+        stored = self.config.table_dtype
+        for key in keys:
+            self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
+        # Saves follow the config: float32 once every table is, so the updates are kept; with frozen tables still in
+        # their stored dtype, the config stays and the save warns that it rounds the trained ones.
+        if all(t.weight.dtype == torch.float32 for t in self.values()):
+            self.config.table_dtype = "float32"
+        logger.warning_once(
+            f"STEM tables {keys} train in float32: cast from {stored} in memory "
+            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); config.table_dtype is "
+            f"{self.config.table_dtype} (model.set_table_dtype chooses what saves write). Freeze them "
+            "(requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them as "
+            "stored"
+        )
+        return keys
+
+    def _apply(self, fn, recurse=True):
+        weight = next(self.parameters(), None)
+        if weight is None:
+            return super()._apply(fn, recurse)
+        # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
+        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
+        device = probe.device
+        if self.config.keep_tables_on_cpu and device.type != "cpu" and device != weight.device:
+            device = torch.device("cpu")  # a refused move: stay in, or come to, host memory
+        if probe.dtype == weight.dtype and device == probe.device:
+            return super()._apply(fn, recurse)  # no cast and no refused move: e.g. share_memory_, a move to CPU
+        if device == weight.device:
+            return self
+        if weight.device.type == "meta":  # nothing to copy: `to_empty` to an accelerator lands tables on the CPU
+            return super()._apply(lambda t: torch.empty_like(t, device=device), recurse)
+        return super()._apply(lambda t: t.to(device), recurse)
+
+    @torch.no_grad()
+    def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
+        """Gives every table `new_num_tokens` rows. Kept rows are copied; new rows are the mean of the old rows
+        (`mean_resizing=True`: the table's best guess for a token it knows nothing about) or drawn from the paper's
+        xavier-normal init (`mean_resizing=False`)."""
+        for key, old in list(self.items()):
+            old_num_tokens, dim = old.weight.shape
+            if old_num_tokens == new_num_tokens:
+                continue
+            new = StemTable(new_num_tokens, dim, device=old.weight.device, dtype=old.weight.dtype)
+            kept = min(old_num_tokens, new_num_tokens)
+            new.weight[:kept] = old.weight[:kept]
+            if new_num_tokens > old_num_tokens:
+                if mean_resizing:
+                    new.weight[old_num_tokens:] = old.weight.mean(0, dtype=torch.float32).to(old.weight.dtype)
+                else:
+                    new.weight[old_num_tokens:].normal_(0.0, xavier_normal_std(new_num_tokens, dim))
+            new.weight.requires_grad_(old.weight.requires_grad)
+            self[key] = new
+
+
+def xavier_normal_std(vocab_size: int, intermediate_size: int) -> float:
+    return math.sqrt(2.0 / (vocab_size + intermediate_size))
+
+
+# Loading --------------------------------------------------------------------------------------------------------
+
+# What `from_pretrained` passes on to read a config from the Hub.
+_CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+# Config fields that give the saved tensors their shapes: a load cannot change them.
+_FIXED_AT_SAVE = ("stem_layers", "vocab_size", "intermediate_size", "hidden_size", "num_hidden_layers")
+
+
+def _refuse_shape_overrides(config, kwargs: dict) -> None:
+    """Raises if `from_pretrained(..., stem_layers=...)` (or another shape field) asks for other tensors than the
+    checkpoint holds: the override would otherwise reach the weights as a missing or unexpected table."""
+    for name in _FIXED_AT_SAVE:
+        if name not in kwargs:
+            continue
+        wanted = kwargs[name]
+        if name == "stem_layers":
+            wanted = resolve_stem_layers(wanted, config.num_hidden_layers)
+        if wanted != getattr(config, name):
+            hint = " (convert the dense model again with the layers you want)" if name == "stem_layers" else ""
+            raise ValueError(
+                f"{name}={kwargs[name]!r}: the checkpoint was saved with {name}={getattr(config, name)!r}, and a load "
+                f"cannot change which tensors it holds{hint}"
+            )
+        del kwargs[name]
+
+
+def prepare_load(model_class: type, path, kwargs: dict) -> str | None:
+    """What `from_pretrained` does before transformers loads: refuses shape overrides, checks a local checkpoint's
+    files (a missing shard, a truncated or corrupt file, a table whose shape disagrees with the config raise an error
+    naming the file and tensor), and rewrites a `device_map` so that it leaves the tables in host memory. Edits
+    `kwargs` in place; returns the local checkpoint's save id (None for a Hub id)."""
+    if path is None:
+        return None
+    folder = os.path.join(os.fspath(path), kwargs.get("subfolder", ""))
+    device_map = kwargs.get("device_map")
+    if not (os.path.isdir(folder) or device_map is not None or any(name in kwargs for name in _FIXED_AT_SAVE)):
+        return None
+    config_class = model_class.config_class
+    config = kwargs.get("config")
+    if getattr(config, "model_type", None) != config_class.model_type:
+        # The config from_pretrained will build: the saved one with the caller's overrides applied.
+        fields = {f.name for f in dataclasses.fields(config_class)} - set(_FIXED_AT_SAVE)
+        overrides = {k: v for k, v in kwargs.items() if k in fields or k in _CONFIG_KWARGS}
+        config = config_class.from_pretrained(path, **overrides)
+    _refuse_shape_overrides(config, kwargs)
+    save_id = None
+    if os.path.isdir(folder):
+        save_id = check_checkpoint_files(
+            folder, config.vocab_size, config.intermediate_size, config.stem_layers, kwargs.get("variant")
+        )
+    if device_map is not None and config.keep_tables_on_cpu and config.stem_layers:
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        kwargs["device_map"] = device_map_keeping_tables_on_cpu(
+            model_class, config, device_map, kwargs.get("max_memory"), dtype
+        )
+    return save_id
+
+
+def device_map_keeping_tables_on_cpu(
+    model_class: type, config, device_map, max_memory: dict | None = None, dtype: torch.dtype | str | None = None
+) -> dict:
+    """The device map transformers would use, with no entry that covers a table. Parameters outside the map load on
+    CPU and get no accelerate hook, so the tables stay in host memory (memory-mapped) and each forward moves only the
+    rows it needs; a "cpu" entry would instead copy the whole table to the accelerator at every forward."""
+    # Private helpers of transformers: what placing the dense part exactly as transformers would takes.
+    get_device_map = _transformers_name("transformers.integrations.accelerate", "_get_device_map")
+    check_and_set_device_map = _transformers_name("transformers.integrations.accelerate", "check_and_set_device_map")
+    if dtype is None or dtype == "auto":
+        dtype = config.dtype or torch.float32
+    with torch.device("meta"):
+        model = model_class(config).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)  # sizes the map
+    tables = model.base_model.stem_tables
+    tables_name = next(name for name, module in model.named_modules() if module is tables)
+    device_map = check_and_set_device_map(device_map)
+    if isinstance(device_map, str):  # "auto", "balanced", ...: place the model as if it had no tables
+        for key in list(tables.keys()):
+            del tables[key]
+        device_map = get_device_map(model, device_map, max_memory, None)
+    device_map = {k: v for k, v in device_map.items() if k != tables_name and not k.startswith(tables_name + ".")}
+    modules = dict(model.named_modules())
+    while (covering := next((k for k in device_map if k == "" or tables_name.startswith(k + ".")), None)) is not None:
+        device = device_map.pop(covering)
+        prefix = f"{covering}." if covering else ""
+        parent = modules[covering]
+        children = [name for name, _ in parent.named_children()]
+        children += [name for name, _ in parent.named_parameters(recurse=False)]
+        children += [name for name, _ in parent.named_buffers(recurse=False)]
+        device_map.update({prefix + name: device for name in children if prefix + name != tables_name})
+    return device_map
+
+
+def finish_load(model, save_id: str | None) -> None:
+    """Records which save of the folder's weights `model` holds (provenance files beside them are matched against it,
+    not against whatever a later save left in the folder) and advises the kernel that tables are read at random."""
+    model.stem_save_id = save_id
+    for table in model.base_model.stem_tables.values():
+        advise_random_access(table.weight)
+
+
+# Saving ---------------------------------------------------------------------------------------------------------
+
+
+def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
+    """(tables, dense) of `state_dict` (default: the model's), refusing tables offloaded to disk and warning where the
+    save rounds tables held in a finer dtype than `config.table_dtype`."""
+    if state_dict is None:
+        state_dict = model.state_dict()
+    tables = {name: tensor for name, tensor in state_dict.items() if TABLE_KEY.search(name)}
+    dense = {name: tensor for name, tensor in state_dict.items() if name not in tables}
+    offloaded = [name for name, tensor in tables.items() if tensor.device.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"{offloaded[0]} is offloaded to disk (on the meta device) and cannot be saved: load the model with "
+            "keep_tables_on_cpu=True (the default) or without a 'disk' entry for the tables in device_map"
+        )
+    stored = getattr(torch, model.config.table_dtype)
+    finer = sorted({str(t.dtype)[6:] for t in tables.values() if t.itemsize > stored.itemsize})
+    if finer:
+        logger.warning_once(
+            f"tables held in {', '.join(finer)} (trained: train() upcasts them) are saved in config.table_dtype "
+            f"{model.config.table_dtype}, which rounds away updates smaller than its spacing; "
+            "model.set_table_dtype('float32') before saving keeps every update, in twice the bytes"
+        )
+    return tables, dense
+
+
+def save_checkpoint(
+    model,
+    save_directory: str | os.PathLike,
+    save_dense: Callable,
+    state_dict: dict | None = None,
+    push_to_hub: bool = False,
+    max_shard_size: int | str = "50GB",
+    **kwargs,
+) -> str:
+    """`save_pretrained` of a STEM model: `save_dense` (transformers' own) writes config, code and dense weights, and
+    the tables go to their own `stem-tables-XXXXX-of-YYYYY.safetensors` files (in `config.table_dtype`, at most
+    `max_shard_size` each) listed with the dense shards in one `model.safetensors.index.json`. The save is staged in a
+    hidden folder (beside a new `save_directory`, inside an existing one) and committed by renames, so an interrupted
+    save never leaves half-written files in place of a good checkpoint; every weight file and the index, written last,
+    carry one fresh save id, so that a save killed between its renames is refused at load rather than loaded as a mix
+    of two saves. With `variant` ("fp16"), files are named as transformers names a variant's. Provenance files already
+    in `save_directory` that record an earlier save's id are kept, named in a warning, and left out of the model card.
+    Returns the save id."""
+    variant = kwargs.pop("variant", None) or None
+    check_variant(variant)
+    hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
+    tables, dense = _split_state_dict(model, state_dict)
+    # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
+    if model._auto_class is not None:
+        auto_map = getattr(model.config, "auto_map", None) or {}
+        model.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
+    with staged_folder(save_directory, variant) as staging:
+        save_dense(staging, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
+        dtype = getattr(torch, model.config.table_dtype)
+        save_id = finish_checkpoint(staging, tables, dtype, max_shard_size, model.num_parameters(), variant)
+    model.stem_save_id = save_id  # the weights in memory are now those of this save
+    stale = stale_provenance(save_directory, PROVENANCE_FILES)
+    if stale:
+        logger.warning(
+            f"{save_directory}: {', '.join(stale)} describe the weights of an earlier save, not these; they are "
+            "kept but left out of the model card. Re-run the conversion or evaluation, or remove them."
+        )
+    write_card(model, save_directory)
+    if push_to_hub:
+        repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
+        model.push_to_hub(repo_id, max_shard_size=max_shard_size, token=kwargs.get("token"), **hub_kwargs)
+    return save_id
+
+
+def write_card(model, folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None) -> None:
+    """Writes or refreshes `README.md` with the model's card writer (set when stem_hf is installed); never replaces a
+    card a person wrote. A card that cannot be rendered is a warning: the weights are saved by then."""
+    writer = getattr(model, "_model_card_writer", None)
+    if writer is None:
+        return
+    try:
+        writer(folder, repo_id=repo_id, tags=[*(model.model_tags or []), *(tags or [])])
+    except Exception as err:  # noqa: BLE001 - a card is never worth failing a save that already succeeded
+        logger.warning(f"no model card written to {folder}: {type(err).__name__}: {err}")
 
 
 __all__ = [

@@ -162,3 +162,17 @@ def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():
         assert stats["examples"][0]["edit"] == "France -> Germany"
     for k, t in model.model.stem_tables.items():
         assert torch.equal(t.weight, before[k])  # persisted edits were undone
+
+
+def test_an_editor_over_an_offload_engine_edits_the_rows_the_engine_serves():
+    from stem_hf.offload import StemOffloadEngine
+
+    model = sensitive_model()
+    ids = torch.tensor([[5, 6, 7, 8, 6, 7]])
+    edit = StemEdit(source=(6, 7), target=(9, 10), strategy="pad")
+    with torch.no_grad(), StemEditor(model, [edit]):
+        alone = model(ids).logits
+    with torch.no_grad(), StemOffloadEngine(model) as engine, StemEditor(model, [edit]):
+        stacked = model(ids).logits
+    assert engine.forwards == 1 and torch.allclose(stacked, alone, atol=1e-6)
+    assert model.model.row_source is None  # both left: the model's own tables again

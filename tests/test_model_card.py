@@ -9,6 +9,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stem_hf import StemConfig, StemForCausalLM
+from stem_hf.accounting import flops_per_token, num_active_parameters, num_table_parameters
 from stem_hf.conversion import convert
 from stem_hf.model_card import MARKER, render_model_card, write_model_card
 from tests import test_conversion
@@ -56,15 +57,15 @@ def test_the_card_of_a_converted_model_states_its_figures(converted):
     context = min(2048, model.config.max_position_embeddings)
     figures = [
         f"{model.num_parameters():,}",
-        f"{model.num_table_parameters():,}",
-        f"{model.num_active_parameters():,}",
+        f"{num_table_parameters(model):,}",
+        f"{num_active_parameters(model):,}",
         f"| total parameters | {model.num_parameters():,} ({model.num_parameters() / 1e6:.1f}M) | "
         f"{dense.num_parameters():,} ({dense.num_parameters() / 1e6:.1f}M) |",  # the source, counted by transformers
-        f"All tables: {model.num_table_parameters():,} ({model.num_table_parameters() / 1e6:.1f}M) parameters, "
-        f"{model.num_table_parameters() * 4 / 1e6:.1f} MB in `float32`",
-        f"{model.flops_per_token(context):,}",
-        f"{model.flops_per_token(context, dense=True):,}",
-        f"{model.flops_per_token(context) / model.flops_per_token(context, dense=True):.3f} of dense",
+        f"All tables: {num_table_parameters(model):,} ({num_table_parameters(model) / 1e6:.1f}M) parameters, "
+        f"{num_table_parameters(model) * 4 / 1e6:.1f} MB in `float32`",
+        f"{flops_per_token(model.config, context):,}",
+        f"{flops_per_token(model.config, context, dense=True):,}",
+        f"{flops_per_token(model.config, context) / flops_per_token(model.config, context, dense=True):.3f} of dense",
         f"STEM layers: {', '.join(map(str, model.config.stem_layers))}",
         f"{report['calibration_tokens']:,} tokens of two test sentences",
         f"{report['vocab_coverage']:.1%} of the vocabulary",

@@ -5,9 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from stem_hf import StemConfig, StemForCausalLM
+from stem_hf.accounting import flops_per_token, num_active_parameters, num_dense_parameters, num_table_parameters
 from stem_hf.demo import PAPER_1B
-from stem_hf.modeling_stem import StemMLP, StemTable, StemTableMLP, StemTableRows
-from tests.conftest import TINY, tiny_config, tiny_model
+from stem_hf.modeling_stem import StemMLP, StemTableMLP
+from stem_hf.storage_stem import StemTable, StemTableRows
+from tests.conftest import TINY, sensitive_model, tiny_config, tiny_model
 
 
 def _capture_mlp_io(layer):
@@ -241,10 +243,10 @@ def test_accounting_on_tiny_model():
     model = tiny_model(tie_word_embeddings=True)
     c = model.config
     table = c.vocab_size * c.intermediate_size
-    assert model.num_table_parameters() == 2 * table
-    assert model.num_active_parameters() == model.num_parameters() - 2 * table + 2 * c.intermediate_size
-    assert model.num_dense_parameters() == model.num_parameters() - 2 * table + 2 * c.hidden_size * c.intermediate_size
-    saved = model.flops_per_token(16, dense=True) - model.flops_per_token(16)
+    assert num_table_parameters(model) == 2 * table
+    assert num_active_parameters(model) == model.num_parameters() - 2 * table + 2 * c.intermediate_size
+    assert num_dense_parameters(model) == model.num_parameters() - 2 * table + 2 * c.hidden_size * c.intermediate_size
+    saved = flops_per_token(model.config, 16, dense=True) - flops_per_token(model.config, 16)
     assert saved == 2 * len(c.stem_layers) * c.hidden_size * c.intermediate_size
 
 
@@ -256,7 +258,7 @@ def test_saved_flop_fraction_matches_paper_formula():
     )
     with torch.device("meta"):
         model = StemForCausalLM(config)
-    dense, stem = model.flops_per_token(L, dense=True), model.flops_per_token(L)
+    dense, stem = flops_per_token(model.config, L, dense=True), flops_per_token(model.config, L)
     head = 2 * d  # the vocab-1 LM head
     assert math.isclose((dense - stem) / (dense - head), d_ff / (4 * d + 2 * L + 3 * d_ff))
 
@@ -267,9 +269,9 @@ def test_accounting_reproduces_paper_1b_sizes():
     with torch.device("meta"):
         model = StemForCausalLM(config)
     assert config.stem_layers == [1, 4, 7, 10, 13]
-    assert round(model.num_dense_parameters() / 1e9, 2) == 1.50
-    assert round(model.num_active_parameters() / 1e9, 2) == 1.41
-    assert round(model.num_table_parameters() / 1e9, 2) == 5.25
+    assert round(num_dense_parameters(model) / 1e9, 2) == 1.50
+    assert round(num_active_parameters(model) / 1e9, 2) == 1.41
+    assert round(num_table_parameters(model) / 1e9, 2) == 5.25
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -290,3 +292,32 @@ def test_generate_takes_stem_input_ids_for_the_prompt(use_cache):
         assert torch.allclose(step_logits, logits[:, 5 + step], atol=1e-5), step
     with torch.no_grad():
         assert not torch.allclose(out.logits[0], model(input_ids).logits[:, -1])  # the edit reached the prompt
+
+
+def test_a_row_source_serves_every_stem_layer_and_stacks():
+    model = sensitive_model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        before = model(ids).logits
+        zeroed = sensitive_model()
+        for table in zeroed.model.stem_tables.values():
+            table.weight.zero_()
+        expected = zeroed(ids).logits
+    seen = []
+
+    class ZeroRows:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def __getitem__(self, layer_idx):
+            seen.append(layer_idx)
+            return torch.zeros(*self.ids.shape, model.config.intermediate_size)
+
+    assert model.model.set_row_source(ZeroRows) is None
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-6)
+    assert seen == model.config.stem_layers  # each STEM layer asked once
+    assert model.model.set_row_source(None) is ZeroRows  # handed back, to restore
+    assert not [n for n in model.state_dict() if "row_source" in n]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)

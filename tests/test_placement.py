@@ -4,8 +4,8 @@ with transformers' own expansion of the map, and the load and forward paths run 
 import torch
 from transformers.integrations.accelerate import expand_device_map
 
-from stem_hf import StemForCausalLM
-from stem_hf.modeling_stem import StemTableRows
+from stem_hf import StemForCausalLM, storage_stem
+from stem_hf.storage_stem import StemTableRows, device_map_keeping_tables_on_cpu
 from tests.conftest import tiny_model
 
 TABLE, DENSE = "model.stem_tables.1.weight", "model.layers.1.mlp.gate_proj.weight"
@@ -18,7 +18,7 @@ def _placement(device_map: dict) -> dict:
 def test_single_device_maps_leave_tables_out():
     config = tiny_model().config
     for device_map in ("cuda:0", 0, torch.device("cuda", 0), {"": "cuda:0"}, {"model": 0, "lm_head": 0}):
-        result = StemForCausalLM._device_map_keeping_tables_on_cpu(config, device_map, None)
+        result = device_map_keeping_tables_on_cpu(StemForCausalLM, config, device_map, None)
         assert not any(k == "" or "stem_tables" in k or k == "model" for k in result), result
         placement = _placement(result)
         assert placement[TABLE] == "cpu"  # unmapped parameters load on CPU, with no accelerate hook
@@ -39,7 +39,7 @@ def test_explicit_table_entries_are_dropped_and_split_maps_kept():
         "model.stem_tables": 1,
         "lm_head": 1,
     }
-    result = StemForCausalLM._device_map_keeping_tables_on_cpu(config, device_map, None)
+    result = device_map_keeping_tables_on_cpu(StemForCausalLM, config, device_map, None)
     assert result == {k: v for k, v in device_map.items() if k != "model.stem_tables"}
     assert _placement(result)[TABLE] == "cpu"
 
@@ -48,11 +48,11 @@ def test_the_map_is_rewritten_only_when_tables_stay_on_cpu(tmp_path, monkeypatch
     model = tiny_model()
     model.save_pretrained(tmp_path)
     calls = []
-    rewrite = StemForCausalLM._device_map_keeping_tables_on_cpu.__func__
+    rewrite = device_map_keeping_tables_on_cpu
     monkeypatch.setattr(
-        StemForCausalLM,
-        "_device_map_keeping_tables_on_cpu",
-        classmethod(lambda cls, *args: calls.append(args[1]) or rewrite(cls, *args)),
+        storage_stem,
+        "device_map_keeping_tables_on_cpu",
+        lambda cls, *args: calls.append(args[1]) or rewrite(cls, *args),
     )
     StemForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"})
     assert calls == [{"": "cpu"}]
@@ -65,8 +65,8 @@ def test_auto_map_is_sized_in_the_load_dtype():
     config = tiny_model(vocab_size=4096).config
     dense_params = sum(p.numel() for n, p in tiny_model(vocab_size=4096).named_parameters() if "stem_tables" not in n)
     budget = {"cpu": int(dense_params * 2 * 1.3)}  # fits in bf16, not in fp32
-    bf16 = StemForCausalLM._device_map_keeping_tables_on_cpu(config, "auto", budget, torch.bfloat16)
-    fp32 = StemForCausalLM._device_map_keeping_tables_on_cpu(config, "auto", budget, torch.float32)
+    bf16 = device_map_keeping_tables_on_cpu(StemForCausalLM, config, "auto", budget, torch.bfloat16)
+    fp32 = device_map_keeping_tables_on_cpu(StemForCausalLM, config, "auto", budget, torch.float32)
     assert "disk" not in bf16.values() and "disk" in fp32.values()
 
 

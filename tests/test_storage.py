@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from stem_hf import StemForCausalLM, storage_stem
-from stem_hf.modeling_stem import StemTableRows
+from stem_hf.storage_stem import StemTableRows
 from tests.conftest import tiny_model
 
 INDEX = "model.safetensors.index.json"
@@ -157,7 +157,7 @@ def test_interrupted_save_leaves_the_old_checkpoint_intact(saved, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt("power cut")
 
-    monkeypatch.setattr(storage_stem, "safe_save_file", fail)
+    monkeypatch.setattr(storage_stem, "save_tables", fail)  # the table files, after the dense ones
     with torch.no_grad():
         model.model.stem_tables["1"].weight.add_(1)
     with pytest.raises(KeyboardInterrupt):
@@ -316,7 +316,7 @@ def test_interrupted_save_to_a_new_folder_leaves_nothing(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage_stem, "safe_save_file", fail)
+    monkeypatch.setattr(storage_stem, "save_tables", fail)  # the table files, after the dense ones
     with pytest.raises(OSError, match="disk full"):
         tiny_model().save_pretrained(tmp_path / "new")
     assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
+from stem_hf.accounting import num_table_parameters
 from stem_hf.training import (
     RowSparseAdamW,
     StemTrainer,
@@ -249,7 +250,7 @@ def test_state_bytes_of_the_options_at_the_paper_1b_shape():
     with torch.device("meta"):
         model = StemForCausalLM(StemConfig(**PAPER_1B, stem_layers="1/2", table_dtype="float32"))
     sizes = adam_state_bytes(model, rows_seen=20_000)
-    tables = model.num_table_parameters()
+    tables = num_table_parameters(model)
     assert sizes["adamw_all"] - sizes["adamw_dense_only"] == 8 * tables
     per_table = 20_000 * (2 * 8192 + 1) * 4 + 128256 * 8  # two fp32 moments and a step per row seen, a slot index
     assert sizes["row_sparse_tables"] == len(model.config.stem_layers) * per_table

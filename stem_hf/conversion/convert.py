@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from .. import StemConfig, StemForCausalLM, write_model_card
-from ..accounting import check_local
+from ..accounting import check_local, num_active_parameters, num_table_parameters
 from ..storage_stem import REPORT_FILE, SAVE_ID_KEY, read_save_id
 from .calibrate import calibrate, context_inputs
 from .feedback import refit_feedback
@@ -358,8 +358,8 @@ def convert(
         report["heldout_perplexity_stem"] = heldout_ppl(stem)
     report.update(
         total_params=stem.num_parameters(),
-        active_params_per_token=stem.num_active_parameters(),
-        table_params=stem.num_table_parameters(),
+        active_params_per_token=num_active_parameters(stem),
+        table_params=num_table_parameters(stem),
     )
     if report["heldout_perplexity_dense"]:
         dense_ppl = report["heldout_perplexity_dense"]
