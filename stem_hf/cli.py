@@ -19,6 +19,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_conversion_parsers(commands)
 
+    _add_eval_parser(commands)
+    _add_hub_parsers(commands)
+    _add_pretrain_parser(commands)
+    _add_edit_parser(commands)
+
+    from .lab.cli import add_parser as add_lab_parser
+
+    add_lab_parser(commands)
+
+    _add_analyze_parser(commands)
+    return parser
+
+
+def _add_eval_parser(commands) -> None:
+    """lm-eval: `stem-hf eval`."""
     evaluate = commands.add_parser("eval", help="lm-eval harness tasks on a checkpoint, results saved as JSON")
     evaluate.add_argument("checkpoint", help="a checkpoint folder or Hub id (STEM or dense, with a tokenizer)")
     evaluate.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks or groups, e.g. stem_offline")
@@ -37,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         "./lm_eval_results.json for a Hub id)",
     )
 
+
+def _add_hub_parsers(commands) -> None:
+    """Model cards and the Hub: `stem-hf card`, `stem-hf push`."""
     card = commands.add_parser("card", help="write or refresh the model card (README.md) of a STEM checkpoint folder")
     card.add_argument("checkpoint")
     card.add_argument("--repo-id", help="the Hub id to show in the usage snippet")
@@ -49,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--revision", help="branch to push to (created if missing)")
     push.add_argument("--commit-message")
 
+
+def _add_pretrain_parser(commands) -> None:
+    """Dense vs STEM from scratch: `stem-hf pretrain`."""
     pretrain = commands.add_parser(
         "pretrain", help="train a dense and a STEM model of matching active parameters from scratch, side by side"
     )
@@ -68,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--table-lr", type=float, help="default: --lr")
     pretrain.add_argument("--eval-every", type=int, default=50)
 
+
+def _add_edit_parser(commands) -> None:
+    """Knowledge editing by rows: `stem-hf edit`."""
     edit = commands.add_parser("edit", help="answer a prompt before and after a knowledge edit by table rows")
     edit.add_argument("checkpoint")
     edit.add_argument("--source", required=True, help='text whose lookups change, e.g. " France"')
@@ -76,10 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     edit.add_argument("--strategy", default="pad", choices=["pad", "subset", "mean"])
     edit.add_argument("-n", "--max-new-tokens", type=int, default=16)
 
-    from .lab.cli import add_parser as add_lab_parser
 
-    add_lab_parser(commands)
-
+def _add_analyze_parser(commands) -> None:
+    """Table analyses: `stem-hf analyze`."""
     analyze = commands.add_parser("analyze", help="angular spread of table rows, activated parameters vs context")
     analyze.add_argument("checkpoint")
     analyze.add_argument(
@@ -89,7 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     analyze.add_argument("--text", nargs="*", help="text files (default: the bundled held-out corpus)")
     analyze.add_argument("--out", default="runs/analysis")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

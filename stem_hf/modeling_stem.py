@@ -29,8 +29,8 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
 from .storage_stem import (
+    StemSoftPromptRows,
     StemTable,
-    StemTableRows,
     StemTables,
     finish_load,
     prepare_load,
@@ -248,18 +248,6 @@ class StemRowSource(Protocol):
     def __call__(self, stem_input_ids: torch.LongTensor) -> StemRows: ...
 
 
-class StemSoftPromptRows:
-    """Rows for inputs whose first `num_soft` positions are soft prompts (embeddings with no token, as PEFT prompt
-    tuning prepends): those positions get a zero row, so a STEM layer's FFN adds nothing there."""
-
-    def __init__(self, rows, num_soft: int):
-        self.rows = rows
-        self.num_soft = num_soft
-
-    def __getitem__(self, layer_idx: int) -> torch.Tensor:
-        return nn.functional.pad(self.rows[layer_idx], (0, 0, self.num_soft, 0))
-
-
 class StemDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: StemConfig, layer_idx: int):
         super().__init__()
@@ -278,7 +266,7 @@ class StemDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        stem_rows: StemTableRows | None = None,
+        stem_rows: StemRows | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
@@ -327,8 +315,7 @@ class StemPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": StemDecoderLayer, "attentions": StemAttention}
-    # Set by the stem_hf package, whose card template and Hub code do not ship next to the weights: a model loaded
-    # without it saves no card and pushes as any transformers model does.
+    # Set by the stem_hf package (card template, Hub code): without it, no card, and pushes as transformers does.
     _model_card_writer: Callable | None = None
     _hub_pusher: Callable | None = None
 
@@ -355,8 +342,7 @@ class StemPreTrainedModel(PreTrainedModel):
         save_checkpoint(self, save_directory, super().save_pretrained, state_dict, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> str:
-        """Uploads what `save_pretrained` writes, with the stem-hf card and provenance (`stem_hf.hub.push_model`) when
-        the package is installed."""
+        """Uploads what `save_pretrained` writes, with card and provenance when stem_hf is installed (`push_model`)."""
         if self._hub_pusher is None:
             return super().push_to_hub(repo_id, **kwargs)
         return self._hub_pusher(self, repo_id, **kwargs)
@@ -407,6 +393,32 @@ class StemModel(StemPreTrainedModel):
         self.__dict__["row_source"] = source  # never registered as a submodule: it is not part of the model
         return previous
 
+    def stem_rows(
+        self, stem_input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor, soft_allowed: bool
+    ) -> StemRows:
+        """This forward's table rows for `stem_input_ids`, from the row source. `soft_allowed`: the inputs are
+        embeddings, whose first positions may be soft prompts without a token."""
+        if stem_input_ids is None:
+            raise ValueError(
+                f"this model has STEM layers {self.config.stem_layers}, whose tables are indexed by token ids: "
+                "pass `stem_input_ids` (batch_size, sequence_length) along with `inputs_embeds` (with PEFT prompt "
+                "tuning, pass the text's input ids as `stem_input_ids`)"
+            )
+        batch, length = inputs_embeds.shape[:2]
+        # Embeddings may start with soft prompts (PEFT prompt tuning): then the ids cover the positions after them.
+        num_soft = length - stem_input_ids.shape[-1]
+        soft_allowed = soft_allowed and 0 <= num_soft < length
+        if stem_input_ids.ndim != 2 or stem_input_ids.shape[0] != batch or not (num_soft == 0 or soft_allowed):
+            raise ValueError(
+                f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the inputs have (batch_size, "
+                f"sequence_length) = {(batch, length)}: give one table id per input position (with "
+                "`inputs_embeds`, fewer ids mean that the first positions are soft prompts without a token)"
+            )
+        stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
+        if num_soft:
+            stem_rows = StemSoftPromptRows(stem_rows, num_soft)
+        return stem_rows
+
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -431,37 +443,17 @@ class StemModel(StemPreTrainedModel):
         if (input_ids if input_ids is not None else inputs_embeds).shape[1:2] == (0,):
             shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
             raise ValueError(f"{given} has shape {shape}: no position to run; give at least one token")
-        vocab_size = self.config.vocab_size
         if input_ids is not None:
-            check_token_ids(input_ids, vocab_size, "input_ids")
+            check_token_ids(input_ids, self.config.vocab_size, "input_ids")
         if stem_input_ids is None:
             stem_input_ids = input_ids
         elif stem_input_ids is not input_ids:
-            check_token_ids(stem_input_ids, vocab_size, "stem_input_ids")
+            check_token_ids(stem_input_ids, self.config.vocab_size, "stem_input_ids")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-
         stem_rows = None
         if self.config.stem_layers:
-            if stem_input_ids is None:
-                raise ValueError(
-                    f"this model has STEM layers {self.config.stem_layers}, whose tables are indexed by token ids: "
-                    "pass `stem_input_ids` (batch_size, sequence_length) along with `inputs_embeds` (with PEFT prompt "
-                    "tuning, pass the text's input ids as `stem_input_ids`)"
-                )
-            batch, length = inputs_embeds.shape[:2]
-            # Embeddings may start with soft prompts (PEFT prompt tuning): then the ids cover the positions after them.
-            num_soft = length - stem_input_ids.shape[-1]
-            soft_allowed = input_ids is None and 0 <= num_soft < length
-            if stem_input_ids.ndim != 2 or stem_input_ids.shape[0] != batch or not (num_soft == 0 or soft_allowed):
-                raise ValueError(
-                    f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the inputs have (batch_size, "
-                    f"sequence_length) = {(batch, length)}: give one table id per input position (with "
-                    "`inputs_embeds`, fewer ids mean that the first positions are soft prompts without a token)"
-                )
-            stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
-            if num_soft:
-                stem_rows = StemSoftPromptRows(stem_rows, num_soft)
+            stem_rows = self.stem_rows(stem_input_ids, inputs_embeds, soft_allowed=input_ids is None)
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)

@@ -199,6 +199,25 @@ def _leaves_folder(file: str) -> bool:
     return normal in (os.curdir, os.pardir) or normal.startswith(os.pardir + os.sep)
 
 
+def _check_tables(path: str, header: dict, vocab_size: int, intermediate_size: int, stem_layers: list[int]) -> set[int]:
+    """The STEM layers whose tables the file at `path` holds; raises on a table of another layer or shape."""
+    found = set()
+    for name, entry in header.items():
+        match = TABLE_KEY.search(name)
+        if match is None:
+            continue
+        layer = int(match.group(1))
+        if layer not in stem_layers:
+            raise ValueError(f"{path}: tensor {name} is a table for layer {layer}, not in stem_layers {stem_layers}")
+        if list(entry["shape"]) != [vocab_size, intermediate_size]:
+            raise ValueError(
+                f"{path}: tensor {name} has shape {entry['shape']} but the config expects [vocab_size, "
+                f"intermediate_size] = [{vocab_size}, {intermediate_size}]"
+            )
+        found.add(layer)
+    return found
+
+
 def check_checkpoint_files(
     folder: str, vocab_size: int, intermediate_size: int, stem_layers: list[int], variant: str | None = None
 ) -> str | None:
@@ -256,21 +275,7 @@ def check_checkpoint_files(
         for name in names or ():
             if name not in header:
                 raise ValueError(f"{path} lacks tensor {name}, which {index_name} says it holds")
-        for name, entry in header.items():
-            match = TABLE_KEY.search(name)
-            if match is None:
-                continue
-            layer = int(match.group(1))
-            if layer not in stem_layers:
-                raise ValueError(
-                    f"{path}: tensor {name} is a table for layer {layer}, not in stem_layers {stem_layers}"
-                )
-            if list(entry["shape"]) != [vocab_size, intermediate_size]:
-                raise ValueError(
-                    f"{path}: tensor {name} has shape {entry['shape']} but the config expects [vocab_size, "
-                    f"intermediate_size] = [{vocab_size}, {intermediate_size}]"
-                )
-            found_tables.add(layer)
+        found_tables.update(_check_tables(path, header, vocab_size, intermediate_size, stem_layers))
         if torn is not None:  # a file without an id among a save's: replaced by hand, or by a save before save ids
             raise torn
     missing = sorted(set(stem_layers) - found_tables)
@@ -634,6 +639,18 @@ class StemTableRows:
             self._unique = unique, inverse.to(ids.device, non_blocking=True)
         unique, inverse = self._unique
         return table(unique).to(ids.device, non_blocking=True)[inverse]
+
+
+class StemSoftPromptRows:
+    """Rows for inputs whose first `num_soft` positions are soft prompts (embeddings with no token, as PEFT prompt
+    tuning prepends): those positions get a zero row, so a STEM layer's FFN adds nothing there."""
+
+    def __init__(self, rows, num_soft: int):
+        self.rows = rows
+        self.num_soft = num_soft
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        return nn.functional.pad(self.rows[layer_idx], (0, 0, self.num_soft, 0))
 
 
 _OPTIMIZER_HOOK = None  # the handle of `_check_optimizer`, registered at most once per process
