@@ -1,11 +1,14 @@
 """Forward (prefill) time of STEM vs the dense model of the same shape, measured side by side in one process.
 
 STEM removes the up-projection matmul of each STEM layer and adds a row gather; the measured speedup should track the
-FLOPs it removes. Prints JSON. Usage: python benchmarks/bench_forward.py [--repeats 5] [--seq-len 512]
+FLOPs it removes. Prints JSON and saves it (benchmarks/results/bench_forward.json).
+
+Usage: python benchmarks/bench_forward.py [--repeats 5] [--seq-len 512]
 """
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -28,6 +31,7 @@ SHAPE = dict(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/bench_forward.json", help="where the JSON goes")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -72,6 +76,10 @@ def main() -> None:
             "active_params_per_token": num_active_parameters(model),
         }
     print(json.dumps(report, indent=2))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".tmp", "w") as f:
+        f.write(json.dumps(report, indent=2) + "\n")
+    os.replace(args.out + ".tmp", args.out)  # whole or not at all
 
 
 if __name__ == "__main__":

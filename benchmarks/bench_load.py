@@ -1,5 +1,6 @@
 """Load time and memory of a STEM checkpoint with >= 4 GB of tables: memory-mapped load vs eager read vs the same model
-without tables, each in a fresh subprocess, then a forward over 2,048 tokens. Prints JSON.
+without tables, each in a fresh subprocess, then a forward over 2,048 tokens. Prints JSON and saves
+it (benchmarks/results/bench_load.json).
 
 Usage: python benchmarks/bench_load.py [--vocab-size 131072] [--intermediate-size 4096] [--stem-layers 4] [--out DIR]
 
@@ -107,6 +108,9 @@ def main() -> None:
     parser.add_argument("--intermediate-size", type=int, default=4096)
     parser.add_argument("--stem-layers", type=int, default=4, help="number of STEM layers (the model has one more)")
     parser.add_argument("--out", default=None, help="keep the checkpoints here and reuse them (default: a temp folder)")
+    parser.add_argument(
+        "--json", default="benchmarks/results/bench_load.json", help="where the JSON goes", dest="json_out"
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -167,6 +171,10 @@ def main() -> None:
         },
     }
     print(json.dumps(report, indent=2))
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    with open(args.json_out + ".tmp", "w") as f:
+        f.write(json.dumps(report, indent=2) + "\n")
+    os.replace(args.json_out + ".tmp", args.json_out)  # whole or not at all
 
 
 if __name__ == "__main__":
