@@ -151,3 +151,5 @@ def test_the_supported_transformers_range_is_declared_once_for_installs_and_once
     setup = (ROOT / "setup.cfg").read_text()
     assert re.search(rf"^\s*transformers{re.escape(SUPPORTED_TRANSFORMERS)}$", setup, re.M)
     assert StemConfig().to_dict()["supported_transformers"] == SUPPORTED_TRANSFORMERS
+    oldest = re.search(r"^OLDEST_TRANSFORMERS := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert SUPPORTED_TRANSFORMERS.startswith(f">={oldest.removesuffix('.0')},")  # CI tests the lower bound
