@@ -3,6 +3,7 @@
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -104,6 +105,98 @@ def divergence_closed(edited: torch.Tensor, unedited: torch.Tensor, target: torc
     return closed.item() if closed.ndim == 0 else closed
 
 
+@dataclass(frozen=True)
+class _Baseline:
+    """The unedited model on every pair's prompt: its answer, whether it names the pair's attribute, its next-token
+    log-probabilities."""
+
+    answers: dict[str, str]
+    known: dict[str, bool]
+    logprobs: dict[str, torch.Tensor]
+
+
+def _baseline(model, tokenizer, pairs: list[tuple[str, str]], new_tokens: int) -> _Baseline:
+    answers = {
+        s: _answer(model, tokenizer, PROMPT.format(subject=s), new_tokens) for s, _ in tqdm(pairs, desc="baseline")
+    }
+    attributes = [a for _, a in pairs]
+    known = {s: named(answers[s], attributes) == a for s, a in pairs}
+    logprobs = {s: _prompt_logprobs(model, tokenizer, PROMPT.format(subject=s)) for s, _ in pairs}
+    return _Baseline(answers, known, logprobs)
+
+
+def _logprob_gap(model, tokenizer, prompt: str, preferred: str, other: str) -> float:
+    """log P(" preferred" | prompt) - log P(" other" | prompt)."""
+    return _logprob(model, tokenizer, prompt, " " + preferred) - _logprob(model, tokenizer, prompt, " " + other)
+
+
+def _kept_under_persisted(model, tokenizer, edit: StemEdit, others: list[str], base: _Baseline, new_tokens: int) -> int:
+    """How many of the prompts about `others` keep their answer with `edit` persisted (the source tokens' rows
+    rewritten for every context)."""
+    kept = 0
+    with persisted(model, edit):
+        for other in others:
+            kept += _answer(model, tokenizer, PROMPT.format(subject=other), new_tokens) == base.answers[other]
+    return kept
+
+
+def _one_edit(
+    model,
+    tokenizer,
+    pairs: list[tuple[str, str]],
+    i: int,
+    strategy: str,
+    base: _Baseline,
+    locality_prompts: int,
+    new_tokens: int,
+) -> dict:
+    """Pair i's subject edited to the next pair's: the answer, log-probability gaps and divergence closed under the
+    per-call edit, and the locality of the persisted one."""
+    subject, attribute = pairs[i]
+    target, target_attribute = pairs[(i + 1) % len(pairs)]
+    edit = StemEdit.from_text(tokenizer, " " + subject, " " + target, strategy)
+    prompt = PROMPT.format(subject=subject)
+    gap_before = _logprob_gap(model, tokenizer, prompt, target_attribute, attribute)
+    with StemEditor(model, [edit]):
+        answer = _answer(model, tokenizer, prompt, new_tokens)
+        closed = divergence_closed(
+            _prompt_logprobs(model, tokenizer, prompt), base.logprobs[subject], base.logprobs[target]
+        )
+        gap_after = _logprob_gap(model, tokenizer, prompt, target_attribute, attribute)
+    others = [pairs[(i + k) % len(pairs)][0] for k in range(2, 2 + locality_prompts)]
+    kept = _kept_under_persisted(model, tokenizer, edit, others, base, new_tokens)
+    example = {"prompt": prompt, "edit": f"{subject} -> {target}", "before": base.answers[subject], "after": answer}
+    return {
+        "success": named(answer, [a for _, a in pairs]) == target_attribute,
+        "target_known": base.known[target],
+        "closed": closed,
+        "gap_before": gap_before,
+        "gap_after": gap_after,
+        "kept": kept,
+        "asked": len(others),
+        "example": example,
+    }
+
+
+def _strategy_scores(edits: list[dict]) -> dict:
+    """The scores of one strategy over its edits (one per pair)."""
+    n = len(edits)
+    known = [e for e in edits if e["target_known"]]
+    shifts = [e["gap_after"] - e["gap_before"] for e in edits]
+    kept_total = sum(e["asked"] for e in edits)
+    return {
+        "divergence_closed": sum(e["closed"] for e in edits) / n,
+        "efficacy_score": sum(e["gap_after"] > 0 for e in edits) / n,
+        "efficacy_score_before_edit": sum(e["gap_before"] > 0 for e in edits) / n,
+        "mean_logprob_gap_shift": sum(shifts) / len(shifts),
+        "efficacy": sum(e["success"] for e in edits) / n,
+        "efficacy_where_target_known": sum(e["success"] for e in known) / len(known) if known else None,
+        "edits_with_known_target": len(known),
+        "locality_persisted": sum(e["kept"] for e in edits) / kept_total if kept_total else None,
+        "examples": [e["example"] for e in edits[:5]],
+    }
+
+
 @torch.no_grad()
 def evaluate_edits(
     model,
@@ -128,67 +221,19 @@ def evaluate_edits(
       measured on the persisted edit, which rewrites the source tokens' rows for every context: other prompts change
       only through tokens they share with the source.
     """
-    base = {s: _answer(model, tokenizer, PROMPT.format(subject=s), new_tokens) for s, _ in tqdm(pairs, desc="baseline")}
-    attributes = [a for _, a in pairs]
-    known = {s: named(base[s], attributes) == a for s, a in pairs}
-    logprobs = {s: _prompt_logprobs(model, tokenizer, PROMPT.format(subject=s)) for s, _ in pairs}
+    base = _baseline(model, tokenizer, pairs, new_tokens)
     result = {
         "pairs": len(pairs),
-        "baseline_accuracy": sum(known.values()) / len(pairs),
-        "baseline_answers": base,
+        "baseline_accuracy": sum(base.known.values()) / len(pairs),
+        "baseline_answers": base.answers,
         "strategies": {},
     }
     for strategy in strategies:
-        hits, known_hits, known_total, kept, kept_total, examples = 0, 0, 0, 0, 0, []
-        prefer_before = prefer_after = 0
-        shifts, closed = [], []
-        for i, (subject, attribute) in enumerate(tqdm(pairs, desc=f"edits ({strategy})")):
-            target, target_attribute = pairs[(i + 1) % len(pairs)]
-            edit = StemEdit.from_text(tokenizer, " " + subject, " " + target, strategy)
-            prompt = PROMPT.format(subject=subject)
-            gap_before = _logprob(model, tokenizer, prompt, " " + target_attribute) - _logprob(
-                model, tokenizer, prompt, " " + attribute
-            )
-            with StemEditor(model, [edit]):
-                answer = _answer(model, tokenizer, prompt, new_tokens)
-                closed.append(divergence_closed(_prompt_logprobs(model, tokenizer, prompt), logprobs[subject],
-                                                logprobs[target]))  # fmt: skip
-                gap_after = _logprob(model, tokenizer, prompt, " " + target_attribute) - _logprob(
-                    model, tokenizer, prompt, " " + attribute
-                )
-            prefer_before += gap_before > 0
-            prefer_after += gap_after > 0
-            shifts.append(gap_after - gap_before)
-            success = named(answer, attributes) == target_attribute
-            hits += success
-            if known[target]:
-                known_hits, known_total = known_hits + success, known_total + 1
-            if len(examples) < 5:
-                examples.append(
-                    {
-                        "prompt": PROMPT.format(subject=subject),
-                        "edit": f"{subject} -> {target}",
-                        "before": base[subject],
-                        "after": answer,
-                    }
-                )
-            # Locality of the persisted form: rows of the source tokens rewritten, other prompts asked.
-            with persisted(model, edit):
-                others = [pairs[(i + k) % len(pairs)][0] for k in range(2, 2 + locality_prompts)]
-                for other in others:
-                    kept += _answer(model, tokenizer, PROMPT.format(subject=other), new_tokens) == base[other]
-                    kept_total += 1
-        result["strategies"][strategy] = {
-            "divergence_closed": sum(closed) / len(closed),
-            "efficacy_score": prefer_after / len(pairs),
-            "efficacy_score_before_edit": prefer_before / len(pairs),
-            "mean_logprob_gap_shift": sum(shifts) / len(shifts),
-            "efficacy": hits / len(pairs),
-            "efficacy_where_target_known": known_hits / known_total if known_total else None,
-            "edits_with_known_target": known_total,
-            "locality_persisted": kept / kept_total if kept_total else None,
-            "examples": examples,
-        }
+        edits = [
+            _one_edit(model, tokenizer, pairs, i, strategy, base, locality_prompts, new_tokens)
+            for i, _ in enumerate(tqdm(pairs, desc=f"edits ({strategy})"))
+        ]
+        result["strategies"][strategy] = _strategy_scores(edits)
     return result
 
 

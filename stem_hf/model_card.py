@@ -160,49 +160,46 @@ def _eval_results(report: dict | None, lm_eval: dict) -> list[EvalResult]:
     return results
 
 
-def render_model_card(
-    folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None
-) -> ModelCard:
-    """The card of the STEM checkpoint in `folder`. `repo_id` goes into the usage snippet (default: the folder)."""
-    folder = Path(folder)
-    config = load_config(str(folder))
-    report = _provenance(folder, REPORT_FILE)
-    lm_eval_json = _provenance(folder, RESULTS_FILE) or {}
-    lm_eval = headline_metrics(lm_eval_json)
-    name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
-    context = min(2048, config.max_position_embeddings)
-    s = summarize(config, context_length=context)
-    converted = report is not None
-    report = report or {}
+def _license_text(report: dict, converted: bool) -> str:
     license_id, base_model = report.get("license"), report.get("base_model")
-    source_file = report.get("source")
     if license_id:
-        license_text = f"`{license_id}`" + (f", the license of the source model {base_model}." if converted else ".")
-    elif converted:
-        license_text = f"Not recorded. A converted model carries the terms of its source ({base_model or source_file})."
-    else:
-        license_text = "Not recorded: set `license` in the metadata above."
-    perplexity = None
+        return f"`{license_id}`" + (f", the license of the source model {base_model}." if converted else ".")
+    if converted:
+        source = base_model or report.get("source")
+        return f"Not recorded. A converted model carries the terms of its source ({source})."
+    return "Not recorded: set `license` in the metadata above."
+
+
+def _perplexity(report: dict) -> dict | None:
+    """Held-out perplexity of the dense and the STEM model (and before healing, where recorded), or None."""
     dense_ppl, stem_ppl = report.get("heldout_perplexity_dense"), report.get("heldout_perplexity_stem")
-    if dense_ppl and stem_ppl:
-        perplexity = {"dense": f"{dense_ppl:.2f}", "stem": f"{stem_ppl:.2f}", "ratio": f"{stem_ppl / dense_ppl:.2f}x"}
-        before = report.get("heldout_perplexity_stem_before_healing")
-        if before:
-            perplexity.update(before=f"{before:.2f}", before_ratio=f"{before / dense_ppl:.2f}x")
-    samples = lm_eval_json.get("n-samples", {})
-    fewshot = set(lm_eval_json.get("n-shot", {}).values())
-    data = ModelCardData(
+    if not (dense_ppl and stem_ppl):
+        return None
+    perplexity = {"dense": f"{dense_ppl:.2f}", "stem": f"{stem_ppl:.2f}", "ratio": f"{stem_ppl / dense_ppl:.2f}x"}
+    before = report.get("heldout_perplexity_stem_before_healing")
+    if before:
+        perplexity.update(before=f"{before:.2f}", before_ratio=f"{before / dense_ppl:.2f}x")
+    return perplexity
+
+
+def _card_data(name: str, report: dict, lm_eval: dict, tags: list[str] | None) -> ModelCardData:
+    """The Hub metadata: library, pipeline, tags, base model, license and the model-index."""
+    return ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=sorted({"stem", "custom_code", "text-generation", *(tags or [])}),
-        base_model=base_model,
-        license=license_id,
+        base_model=report.get("base_model"),
+        license=report.get("license"),
         model_name=name,
         eval_results=_eval_results(report, lm_eval) or None,
     )
-    facts = {
-        "name": name,
-        "repo_id": repo_id or str(folder),
+
+
+def _model_facts(config) -> dict:
+    """Shape, parameter counts and FLOPs per token, from the config alone."""
+    context = min(2048, config.max_position_embeddings)
+    s = summarize(config, context_length=context)
+    return {
         "n_stem": len(config.stem_layers),
         "num_layers": config.num_hidden_layers,
         "stem_layers": ", ".join(map(str, config.stem_layers)) or "none",
@@ -221,41 +218,76 @@ def render_model_card(
         "flops": f"{s['flops_per_token']:,}",
         "dense_flops": f"{s['dense_flops_per_token']:,}",
         "flops_ratio": f"{s['flops_ratio_stem_over_dense']:.3f}",
-        "files": _files(folder),
         "table_bytes": _bytes(s["table_params"] * getattr(torch, config.table_dtype).itemsize),
-        "converted": converted,
-        "perplexity": perplexity,
+    }
+
+
+def _lm_eval_facts(lm_eval: dict, lm_eval_json: dict) -> dict:
+    """The lm-eval table's rows (with the examples each task ran on) and the few-shot settings."""
+    samples = lm_eval_json.get("n-samples", {})
+    fewshot = set(lm_eval_json.get("n-shot", {}).values())
+    return {
         "lm_eval": [
             {"task": task, "metric": metric, "value": f"{value:.4f}", "examples": _examples(samples.get(task))}
             for task, metrics in lm_eval.items()
             for metric, value in metrics.items()
         ],
         "lm_eval_fewshot": ", ".join(f"{n}-shot" for n in sorted(fewshot)) or "0-shot",
-        "bos_prepended": bool((report or {}).get("bos_prepended")),
-        "license_text": license_text,
+    }
+
+
+def _conversion_facts(report: dict) -> dict:
+    """What the conversion report records: source, init, refit, calibration, healing and held-out data."""
+    base_model, source_file = report.get("base_model"), report.get("source")
+    # A path or file name is worth showing beside the Hub id; a model passed to convert() in memory has neither.
+    is_path = source_file and (os.sep in str(source_file) or str(source_file).endswith(".gguf"))
+    file_name = os.path.basename(str(source_file)) if is_path else None
+    return {
+        "source": base_model or source_file or "an unrecorded source",
+        "source_file": file_name if base_model and file_name and file_name != base_model else None,
+        "source_architecture": report.get("source_architecture", "unknown"),
+        "init": report.get("init"),
+        "refit": _refit_text(report),
+        "calibration_tokens": f"{report.get('calibration_tokens', 0):,}",
+        "calibration_data": report.get("calibration_data") or "calibration text",
+        "distinct_tokens": f"{report.get('distinct_tokens', 0):,}",
+        "vocab_coverage": f"{report.get('vocab_coverage', 0.0):.1%}",
+        "heal_tokens": f"{report['heal_tokens']:,}" if report.get("heal_tokens") else 0,
+        "unseen_rows": _unseen_rows(report),
+        "heal_train": report.get("heal_train"),
+        "heal_precision": report.get("heal_precision", "fp32"),  # reports before it healed in fp32
+        "heal_text": report.get("heal_text") or "the calibration text",  # reports before `heal_text` healed on it
+        "heldout_tokens": f"{report.get('heldout_tokens', 0):,}" if report.get("heldout_tokens") else 0,
+        "heldout_data": report.get("heldout_data") or "held-out text",
+    }
+
+
+def render_model_card(
+    folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None
+) -> ModelCard:
+    """The card of the STEM checkpoint in `folder`. `repo_id` goes into the usage snippet (default: the folder)."""
+    folder = Path(folder)
+    config = load_config(str(folder))
+    report = _provenance(folder, REPORT_FILE)
+    lm_eval_json = _provenance(folder, RESULTS_FILE) or {}
+    lm_eval = headline_metrics(lm_eval_json)
+    converted = report is not None
+    report = report or {}
+    name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
+    facts = {
+        "name": name,
+        "repo_id": repo_id or str(folder),
+        **_model_facts(config),
+        "files": _files(folder),
+        "converted": converted,
+        "perplexity": _perplexity(report),
+        **_lm_eval_facts(lm_eval, lm_eval_json),
+        "bos_prepended": bool(report.get("bos_prepended")),
+        "license_text": _license_text(report, converted),
     }
     if converted:
-        # A path or file name is worth showing beside the Hub id; a model passed to convert() in memory has neither.
-        is_path = source_file and (os.sep in str(source_file) or str(source_file).endswith(".gguf"))
-        file_name = os.path.basename(str(source_file)) if is_path else None
-        facts.update(
-            source=base_model or source_file or "an unrecorded source",
-            source_file=file_name if base_model and file_name and file_name != base_model else None,
-            source_architecture=report.get("source_architecture", "unknown"),
-            init=report.get("init"),
-            refit=_refit_text(report),
-            calibration_tokens=f"{report.get('calibration_tokens', 0):,}",
-            calibration_data=report.get("calibration_data") or "calibration text",
-            distinct_tokens=f"{report.get('distinct_tokens', 0):,}",
-            vocab_coverage=f"{report.get('vocab_coverage', 0.0):.1%}",
-            heal_tokens=f"{report['heal_tokens']:,}" if report.get("heal_tokens") else 0,
-            unseen_rows=_unseen_rows(report),
-            heal_train=report.get("heal_train"),
-            heal_precision=report.get("heal_precision", "fp32"),  # reports before it healed in fp32
-            heal_text=report.get("heal_text") or "the calibration text",  # reports before `heal_text` healed on it
-            heldout_tokens=f"{report.get('heldout_tokens', 0):,}" if report.get("heldout_tokens") else 0,
-            heldout_data=report.get("heldout_data") or "held-out text",
-        )
+        facts.update(_conversion_facts(report))
+    data = _card_data(name, report, lm_eval, tags)
     return ModelCard.from_template(data, template_path=str(STEM_TEMPLATE), **facts)
 
 

@@ -147,6 +147,138 @@ def _share(counts: dict, key: str) -> float | None:
     return counts[key] / counts[key + "_n"] if counts[key + "_n"] else None
 
 
+def _methods_to_run(
+    model: nn.Module, kind: str, methods: tuple[str, ...] | None, strategies: tuple[str, ...]
+) -> tuple[str, ...]:
+    """`methods` (default: every one that applies to the model), once `kind`, methods and strategies are checked."""
+    stem = bool(model.config.stem_layers)
+    methods = methods or (METHODS if stem else ("embedding", "text"))
+    if kind not in ("person", "country"):
+        raise ValueError(f"evaluate_edits: kind must be 'person' or 'country', got {kind!r}")
+    unknown = [m for m in methods if m not in METHODS or (m in ("tables", "both") and not stem)]
+    if unknown or any(s not in STRATEGIES for s in strategies):
+        raise ValueError(f"evaluate_edits: methods {methods} / strategies {strategies}: not all apply to this model")
+    return methods
+
+
+def _locality_pool(model: nn.Module, world: LabWorld, tokenizer) -> tuple[list[Probe], torch.Tensor]:
+    """Every subject's first trained template (people, then countries) and the unedited model's answers to them."""
+    pool = probes(world, tokenizer, "person", "train") + probes(world, tokenizer, "country", "train")
+    pool = [q for q in pool if q.template == 0]
+    return pool, predict(model, [q.prompt for q in pool])
+
+
+def _name_tokens(world: LabWorld, tokenizer) -> dict[tuple[str, int], set[int]]:
+    """The token ids of each person's and each country's name, by (kind, index)."""
+    names = {("person", i): set(_name_ids(tokenizer, p["name"])) for i, p in enumerate(world.people)}
+    names |= {("country", i): set(_name_ids(tokenizer, c["name"])) for i, c in enumerate(world.countries)}
+    return names
+
+
+def _edited_prompts(world: LabWorld, tokenizer, kind: str, a: int, b: int) -> tuple[list[Probe], list[Probe]]:
+    """A's prompts (trained and held-out templates) whose answer differs for B, and the same prompts with B's name
+    written in place of A's (the `text` method)."""
+    entries = world.people if kind == "person" else world.countries
+    own = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a])]
+    keep = [entries[b][q.attribute] != entries[a][q.attribute] for q in own]
+    as_b = lambda _, name=entries[b]["name"]: name  # noqa: E731
+    text = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a], as_b)]
+    own = [q for q, k in zip(own, keep, strict=True) if k]
+    text = [q for q, k in zip(text, keep, strict=True) if k]
+    return own, text
+
+
+def _locality_prompts(
+    pool: list[Probe], names: dict, kind: str, a: int, chosen: set[int]
+) -> tuple[list[int], list[int]]:
+    """Indices into `pool`, none about A: every country's and the `chosen` people's prompts; and the prompts about
+    people whose name shares a token with A's."""
+    others = [i for i, q in enumerate(pool) if (q.kind, q.subject) != (kind, a)]
+    local = [i for i in others if pool[i].kind == "country" or pool[i].subject in chosen]
+    shares = [i for i in others if pool[i].kind == "person" and names[(kind, a)] & names[("person", pool[i].subject)]]
+    return local, shares
+
+
+def _edit_cases(
+    model: nn.Module,
+    world: LabWorld,
+    tokenizer,
+    pairs: list[tuple[int, int]],
+    kind: str,
+    pool: list[Probe],
+    locality_people: int,
+    seed: int,
+) -> list[dict]:
+    """Per pair, the prompts every method is measured on, with the unedited model's next-token distributions on A's
+    prompts and on the same prompts with B's name."""
+    entries = world.people if kind == "person" else world.countries
+    rng = random.Random(seed)
+    names = _name_tokens(world, tokenizer)
+    cases = []
+    for a, b in pairs:
+        own, text = _edited_prompts(world, tokenizer, kind, a, b)
+        candidates = [i for i in range(len(world.people)) if kind != "person" or i != a]
+        chosen = set(rng.sample(candidates, min(locality_people, len(candidates))))
+        local, shares = _locality_prompts(pool, names, kind, a, chosen)
+        cases.append({
+            "edit": (tuple(_name_ids(tokenizer, entries[a]["name"])), tuple(_name_ids(tokenizer, entries[b]["name"]))),
+            "own": own, "text": text, "local": local, "shares": shares,
+            "targets": torch.tensor(tokenizer.convert_tokens_to_ids([entries[b][q.attribute] for q in own])),
+            "train": torch.tensor([q.split == "train" for q in own], dtype=torch.bool),
+            "unedited": next_token_logprobs(model, [q.prompt for q in own]),
+            "target": next_token_logprobs(model, [q.prompt for q in text]),
+        })  # fmt: skip
+    return cases
+
+
+def _count_case(
+    counts: dict,
+    model: nn.Module,
+    case: dict,
+    pool: list[Probe],
+    base_pool: torch.Tensor,
+    method: str,
+    strategy: str | None,
+) -> None:
+    """Adds one case's hits and prompts under `method` and `strategy` to `counts`."""
+    own = case["text" if method == "text" else "own"]
+    prompts = [q.prompt for q in own] + [pool[i].prompt for i in case["local"] + case["shares"]]
+    if method == "text":
+        logprobs = next_token_logprobs(model, prompts)
+    else:
+        with swapped_rows(model, StemEdit(*case["edit"], strategy), method):
+            logprobs = next_token_logprobs(model, prompts)
+        closed = divergence_closed(logprobs[: len(own)], case["unedited"], case["target"])
+        counts["div"] += closed[closed.isfinite()].sum().item()  # not where A's and B's prompts agree
+        counts["div_n"] += closed.isfinite().sum().item()
+    answers = logprobs.argmax(-1)
+    hit, train = answers[: len(own)] == case["targets"], case["train"]
+    kept = answers[len(own) :] == base_pool[case["local"] + case["shares"]]
+    n_local = len(case["local"])
+    for key, values in (("eff", hit[train]), ("gen", hit[~train]), ("loc", kept[:n_local]),
+                        ("shared", kept[n_local:])):  # fmt: skip
+        counts[key] += values.sum().item()
+        counts[key + "_n"] += len(values)
+
+
+def _run_result(counts: dict, method: str) -> dict:
+    """The shares and prompt counts of one method under one strategy; `text` leaves the model unchanged: no
+    divergence or locality."""
+    return {
+        "efficacy": _share(counts, "eff"),
+        "generalization": _share(counts, "gen"),
+        "divergence_closed": None if method == "text" else _share(counts, "div"),
+        "locality": None if method == "text" else _share(counts, "loc"),
+        "locality_shared_name_token": None if method == "text" else _share(counts, "shared"),
+        "prompts": {
+            "efficacy": counts["eff_n"],
+            "generalization": counts["gen_n"],
+            "locality": counts["loc_n"],
+            "shared_name_token": counts["shared_n"],
+        },
+    }
+
+
 @torch.no_grad()
 def evaluate_edits(
     model: nn.Module,
@@ -169,82 +301,17 @@ def evaluate_edits(
     for each method: `tables` (the paper's row swap), `embedding` (the input-embedding rows instead), `both`, and
     `text` (B's name written in place of A's: the upper bound; the model is unchanged, so it has no locality).
     Methods with rows run under each strategy; `text` once."""
-    stem = bool(model.config.stem_layers)
-    methods = methods or (METHODS if stem else ("embedding", "text"))
-    if kind not in ("person", "country"):
-        raise ValueError(f"evaluate_edits: kind must be 'person' or 'country', got {kind!r}")
-    unknown = [m for m in methods if m not in METHODS or (m in ("tables", "both") and not stem)]
-    if unknown or any(s not in STRATEGIES for s in strategies):
-        raise ValueError(f"evaluate_edits: methods {methods} / strategies {strategies}: not all apply to this model")
-    entries = world.people if kind == "person" else world.countries
-    rng = random.Random(seed)
-    pool = probes(world, tokenizer, "person", "train") + probes(world, tokenizer, "country", "train")
-    pool = [q for q in pool if q.template == 0]
-    base_pool = predict(model, [q.prompt for q in pool])
-    names = {("person", i): set(_name_ids(tokenizer, p["name"])) for i, p in enumerate(world.people)}
-    names |= {("country", i): set(_name_ids(tokenizer, c["name"])) for i, c in enumerate(world.countries)}
-    people = range(len(world.people))
-    cases = []  # per pair, the same prompts for every method
-    for a, b in pairs:
-        own = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a])]
-        keep = [entries[b][q.attribute] != entries[a][q.attribute] for q in own]
-        as_b = lambda _, name=entries[b]["name"]: name  # noqa: E731
-        text = [q for split in ("train", "heldout") for q in probes(world, tokenizer, kind, split, [a], as_b)]
-        own = [q for q, k in zip(own, keep, strict=True) if k]
-        text = [q for q, k in zip(text, keep, strict=True) if k]
-        candidates = [i for i in people if kind != "person" or i != a]
-        chosen = set(rng.sample(candidates, min(locality_people, len(candidates))))
-        others = [i for i, q in enumerate(pool) if (q.kind, q.subject) != (kind, a)]
-        local = [i for i in others if pool[i].kind == "country" or pool[i].subject in chosen]
-        shares = [
-            i for i in others if pool[i].kind == "person" and names[(kind, a)] & names[("person", pool[i].subject)]
-        ]
-        cases.append({
-            "edit": (tuple(_name_ids(tokenizer, entries[a]["name"])), tuple(_name_ids(tokenizer, entries[b]["name"]))),
-            "own": own, "text": text, "local": local, "shares": shares,
-            "targets": torch.tensor(tokenizer.convert_tokens_to_ids([entries[b][q.attribute] for q in own])),
-            "train": torch.tensor([q.split == "train" for q in own], dtype=torch.bool),
-            "unedited": next_token_logprobs(model, [q.prompt for q in own]),
-            "target": next_token_logprobs(model, [q.prompt for q in text]),
-        })  # fmt: skip
+    methods = _methods_to_run(model, kind, methods, strategies)
+    pool, base_pool = _locality_pool(model, world, tokenizer)
+    cases = _edit_cases(model, world, tokenizer, pairs, kind, pool, locality_people, seed)  # the same for every method
     results = {}
     runs = [(m, s) for m in methods if m != "text" for s in strategies] + [("text", None)] * ("text" in methods)
     for method, strategy in tqdm(runs, desc=f"{kind} edits", leave=False):
-        counts = dict.fromkeys(("eff", "gen", "loc", "shared", "div"), 0) | {
-            k + "_n": 0 for k in ("eff", "gen", "loc", "shared", "div")
-        }
+        keys = ("eff", "gen", "loc", "shared", "div")
+        counts = dict.fromkeys(keys, 0) | {k + "_n": 0 for k in keys}
         for case in cases:
-            own = case["text" if method == "text" else "own"]
-            prompts = [q.prompt for q in own] + [pool[i].prompt for i in case["local"] + case["shares"]]
-            if method == "text":
-                logprobs = next_token_logprobs(model, prompts)
-            else:
-                with swapped_rows(model, StemEdit(*case["edit"], strategy), method):
-                    logprobs = next_token_logprobs(model, prompts)
-                closed = divergence_closed(logprobs[: len(own)], case["unedited"], case["target"])
-                counts["div"] += closed[closed.isfinite()].sum().item()  # not where A's and B's prompts agree
-                counts["div_n"] += closed.isfinite().sum().item()
-            answers = logprobs.argmax(-1)
-            hit, train = answers[: len(own)] == case["targets"], case["train"]
-            kept = answers[len(own) :] == base_pool[case["local"] + case["shares"]]
-            n_local = len(case["local"])
-            for key, values in (("eff", hit[train]), ("gen", hit[~train]), ("loc", kept[:n_local]),
-                                ("shared", kept[n_local:])):  # fmt: skip
-                counts[key] += values.sum().item()
-                counts[key + "_n"] += len(values)
-        results[method if strategy is None else f"{method}/{strategy}"] = {
-            "efficacy": _share(counts, "eff"),
-            "generalization": _share(counts, "gen"),
-            "divergence_closed": None if method == "text" else _share(counts, "div"),
-            "locality": None if method == "text" else _share(counts, "loc"),
-            "locality_shared_name_token": None if method == "text" else _share(counts, "shared"),
-            "prompts": {
-                "efficacy": counts["eff_n"],
-                "generalization": counts["gen_n"],
-                "locality": counts["loc_n"],
-                "shared_name_token": counts["shared_n"],
-            },  # fmt: skip
-        }
+            _count_case(counts, model, case, pool, base_pool, method, strategy)
+        results[method if strategy is None else f"{method}/{strategy}"] = _run_result(counts, method)
     return {"pairs": len(pairs), "methods": results}
 
 
