@@ -378,7 +378,7 @@ class StemModel(StemPreTrainedModel):
         )
         self.stem_tables = StemTables(config)
         self.row_source: StemRowSource | None = None  # None: `stem_tables`; see `set_row_source`
-        # Left out of device maps on purpose (see `_device_map_keeping_tables_on_cpu`); a non-None value makes
+        # Left out of device maps on purpose (`storage_stem.device_map_keeping_tables_on_cpu`); a non-None value makes
         # transformers skip accelerate's check that every parameter has a device.
         self._no_placement_params = [f"stem_tables.{i}.weight" for i in config.stem_layers]
         self.norm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
