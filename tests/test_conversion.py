@@ -319,15 +319,15 @@ def _ffn_inputs(dense, layer: int, chunks: list[torch.Tensor]) -> tuple[torch.Te
     return torch.cat(inputs), torch.cat(chunks)
 
 
-def test_refit_down_is_the_least_squares_down_projection():
-    from stem_hf.conversion.refit_down import refit_down
+def test_plain_refit_is_the_least_squares_down_projection():
+    from stem_hf.conversion.refit import refit
 
     dense = _dense("llama")
     chunks = [torch.tensor([1, *t]) for t in _texts(8, 40, seed=6)]
     stem, report = convert(dense, stem_layers=[2], init="mean", calibration=chunks, table_dtype="float32")
     assert report["refit"] == "none"
     before = stem.model.layers[2].mlp.down_proj.weight.detach().clone()
-    refit_down(dense, stem, chunks, ridge=0.0)
+    refit(dense, stem, chunks, "plain", ridge=0.0)
     x, ids = _ffn_inputs(dense, 2, chunks)
     mlp, table = dense.model.layers[2].mlp, stem.model.stem_tables["2"].weight
     with torch.no_grad():
@@ -408,7 +408,7 @@ def test_refit_along_the_stream_is_the_least_squares_fit_of_each_layer(kind, epo
     them: each layer is solved on the inputs the layers before it, already refit, give it (so the pass's own stepping
     through the layers matches the model's forward, for each source architecture). With local training, `W_down` is
     solved last, on the gates as trained (or kept, when training did not lower the layer's loss)."""
-    from stem_hf.conversion.feedback import refit_feedback
+    from stem_hf.conversion.refit import refit
 
     dense = _dense(kind)  # llama has attention biases: o_proj has a bias the refit keeps
     if epochs:
@@ -418,9 +418,7 @@ def test_refit_along_the_stream_is_the_least_squares_fit_of_each_layer(kind, epo
                     param.normal_(0.0, 0.3)
     chunks = [torch.tensor([1, *t]) for t in _texts(10, 60, seed=10)]
     stem, _ = convert(dense, stem_layers=[1, 3], init="fitted", calibration=chunks, table_dtype="float32", refit="none")
-    trained = refit_feedback(
-        dense, stem, chunks, ridge=0.0, correct_dense=True, gate_epochs=epochs, dense_epochs=epochs
-    )
+    trained = refit(dense, stem, chunks, "all", ridge=0.0, gate_epochs=epochs, dense_epochs=epochs)
     assert bool(trained) == (epochs > 0), trained
     runs = [(_streams(stem, c), _streams(dense, c)) for c in chunks]
     for layer in range(1, SHAPE["num_hidden_layers"]):
@@ -500,7 +498,7 @@ def test_local_training_brings_the_residual_stream_closer_to_dense():
 
 
 def test_train_gate_lowers_its_loss_and_leaves_down_alone():
-    from stem_hf.conversion.feedback import train_gate
+    from stem_hf.conversion.refit import train_gate
 
     torch.manual_seed(0)
     mlp = _dense("llama").model.layers[1].mlp

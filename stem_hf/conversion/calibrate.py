@@ -6,11 +6,15 @@ tokenizer has one) is kept apart: its FFN input is a function of that token alon
 """
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
+
+from .hooks import StopForward, run_until
+
+__all__ = ["LayerStats", "calibrate", "context_inputs", "run_to_layers"]
 
 
 @dataclass
@@ -24,10 +28,6 @@ class LayerStats:
     first_wu: torch.Tensor | None  # [intermediate]
     first_count: int = 0
     mean_w: torch.Tensor | None = None  # [intermediate] mean SiLU(gate)^2 per occurrence, filled by init_tables
-
-
-class _Stop(Exception):
-    pass
 
 
 def run_to_layers(
@@ -47,7 +47,7 @@ def run_to_layers(
         def pre_forward(module, args):
             collect(layer, mlp, args[0][0].float(), current[0])
             if layer == last:
-                raise _Stop
+                raise StopForward
 
         return mlp.register_forward_pre_hook(pre_forward)
 
@@ -57,26 +57,12 @@ def run_to_layers(
         current[0] = chunk
         model(chunk[None], use_cache=False)
 
-    _run_until(forward, tqdm(chunks, desc=desc, unit="chunk"), [hook(layer) for layer in layers])
-
-
-def _run_until(forward: Callable[[object], object], items: Iterable, hooks: list) -> None:
-    """Calls `forward` on each item, each call ending early when one of `hooks` (made by `register_*` calls) raises
-    `_Stop`, then removes the hooks."""
-    try:
-        for item in items:
-            try:
-                forward(item)
-            except _Stop:
-                pass
-    finally:
-        for handle in hooks:
-            handle.remove()
+    run_until(forward, tqdm(chunks, desc=desc, unit="chunk"), [hook(layer) for layer in layers])
 
 
 @torch.inference_mode()
 def calibrate(
-    model,
+    model: torch.nn.Module,
     chunks: list[torch.Tensor],
     layers: list[int],
     slots: torch.Tensor,
@@ -128,8 +114,7 @@ def context_inputs(
     """`{layer: [vocab_size, hidden]}` on the CPU: each of `layers`' FFN input at token t when `model` reads `prefix`
     then t, for every token t. The prefix's keys and values are computed once and repeated for each batch of tokens,
     one new position per token; the forward stops after the last of `layers`. A batch holds about `positions` cached
-    positions per layer. Memory: `vocab_size x hidden` fp32 values per layer (113 MB per SmolLM2 layer, 2.1 GB per
-    8B-Llama layer)."""
+    positions per layer. Memory: `vocab_size x hidden` fp32 values per layer."""
     device = model.get_input_embeddings().weight.device
     inputs = {layer: torch.zeros(vocab_size, model.config.hidden_size) for layer in layers}
     prefix_cache = model(torch.tensor([prefix], device=device), use_cache=True).past_key_values
@@ -139,7 +124,7 @@ def context_inputs(
         def pre_forward(module, args):
             inputs[layer][offset[0] : offset[0] + len(args[0])] = args[0][:, -1].float().cpu()
             if layer == last:
-                raise _Stop
+                raise StopForward
 
         return model.model.layers[layer].mlp.register_forward_pre_hook(pre_forward)
 
@@ -153,5 +138,5 @@ def context_inputs(
         model(tokens[:, None], past_key_values=cache, use_cache=True)
 
     starts = tqdm(range(0, vocab_size, batch), desc="context inputs", unit="batch")
-    _run_until(forward, starts, [hook(layer) for layer in layers])
+    run_until(forward, starts, [hook(layer) for layer in layers])
     return inputs

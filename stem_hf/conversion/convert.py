@@ -14,18 +14,13 @@ from .. import StemConfig, StemForCausalLM, write_model_card
 from ..accounting import check_local, num_active_parameters, num_table_parameters
 from ..storage_stem import REPORT_FILE, SAVE_ID_KEY, read_save_id
 from .calibrate import calibrate, context_inputs
-from .feedback import refit_feedback
 from .heal import ANNEAL, check_heal_options, heal
 from .init_tables import calibrated_rows, projected_rows, ridge_map
-from .options import CALIBRATED_INITS, INITS, REFITS
-from .refit_down import refit_down
+from .options import CALIBRATED_INITS, INITS, LOCAL_EPOCHS, REFITS
+from .refit import refit as refit_projections
 from .sources import load_source, load_source_config, stem_config_from_dense
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-# Local training along the stream (`conversion.feedback`): SmolLM2-1/3 from 50k calibration tokens, 1.78x dense
-# perplexity without it, 1.70x with 5 epochs for the STEM layers' gates, 1.67x adding 5 for the dense layers' FFNs (with
-# a flat learning rate of 3e-3, what the relative one gives SmolLM2 within 10%); from 150k, 1.59x without, 1.48x with.
-LOCAL_EPOCHS = 5
 ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
 
 
@@ -247,7 +242,7 @@ def convert(
     default `"all"` for `fitted`, `"none"` for the others) then refits output projections in closed form:
     `"plain"` each STEM layer's `W_down` to the dense FFN's output on the dense model's activations; `"sequential"` the
     same, layer by layer along both models' residual streams, to bring the converted stream back to the dense one
-    (`conversion.feedback`); `"all"` also every attention `o_proj` and dense `W_down` after the first STEM layer.
+    (`conversion.refit`); `"all"` also every attention `o_proj` and dense `W_down` after the first STEM layer.
     `gate_epochs` (default 5 with `"sequential"` and `"all"`) then trains each STEM layer's gate locally along the
     stream, `dense_epochs` (default 5 with `"all"`) the gate and up-projection of each dense layer it refits. With
     `heal_tokens`, the initialized model is then distilled from the dense one on that many tokens of the calibration
@@ -311,12 +306,10 @@ def convert(
         if not prior_prefix:
             raise ValueError(f"prior_context: {prior_context!r} holds no token and the source has no BOS")
     calibration_info = init_tables(dense, stem, init, calib_chunks, shrink, prior_prefix=prior_prefix)
-    if refit == "plain" and config.stem_layers:
-        refit_down(dense, stem, calib_chunks)
     locally_trained = []
-    if refit in ("sequential", "all"):
-        locally_trained = refit_feedback(
-            dense, stem, calib_chunks, correct_dense=refit == "all", gate_epochs=gate_epochs, dense_epochs=dense_epochs
+    if refit != "none" and config.stem_layers:
+        locally_trained = refit_projections(
+            dense, stem, calib_chunks, refit, gate_epochs=gate_epochs, dense_epochs=dense_epochs
         )
     heldout_ppl = (lambda model: perplexity(model, heldout_chunks)) if heldout_chunks else (lambda model: None)
     if base_model is None and isinstance(source, str) and not os.path.exists(source) and HUB_ID.fullmatch(source):

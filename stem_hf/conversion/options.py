@@ -4,6 +4,9 @@ arguments without loading the conversion."""
 INITS = ("fitted", "mean", "projected", "xavier")
 CALIBRATED_INITS = ("fitted", "mean")  # rows from calibration statistics, with a fallback for rare tokens
 REFITS = ("none", "plain", "sequential", "all")
+# Epochs of local training along the refit (`conversion.refit.train_gate`) when none are asked for: the gates learn
+# some of what a row cannot (benchmarks/results/bench_conversion.json against bench_conversion_no_local.json).
+LOCAL_EPOCHS = 5
 HEAL_TRAINABLE = ("tables", "ffn", "all")
 # What healing's forwards and backward compute in; "auto" takes bf16 where the device computes it natively.
 HEAL_PRECISIONS = ("fp32", "bf16", "auto")
@@ -18,6 +21,15 @@ __all__ = [
     "HEAL_PRECISIONS",
     "HEAL_TRAINABLE",
     "INITS",
+    "LOCAL_EPOCHS",
     "PRIOR_CONTEXT",
     "REFITS",
+    "check_epochs",
 ]
+
+
+def check_epochs(**epochs: object) -> None:
+    """Raises unless each of `epochs` (by name) is a whole number of epochs."""
+    for name, value in epochs.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: {value!r} is not a whole number of epochs")
