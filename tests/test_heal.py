@@ -9,7 +9,8 @@ from torch.nn.utils import parametrize
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stem_hf.conversion import convert
-from stem_hf.conversion.heal import BlendedStem, StemBlendMLP, distillation_loss, heal
+from stem_hf.conversion.blend import BlendedStem, StemBlendMLP
+from stem_hf.conversion.heal import distillation_loss, heal
 from stem_hf.modeling_stem import StemTableMLP
 
 

@@ -1,190 +1,51 @@
 """Healing: distils the dense model into the converted one (KL divergence between next-token distributions) on
 calibration text.
 
-Progressive conversion: during healing each STEM layer computes `W_d(SiLU(W_g x) * (a W_up x + (1 - a) U[t]))`, the
-dense up-projection borrowed from the source (and `W_d` and `W_g` blended likewise from the dense ones to the refit and
-trained ones, see `StemBlendMLP`; so are the other weights conversion changed, see `StemBlendWeight`). At `a = 1` the
-model is exactly the dense one; `a` falls linearly from just below 1 (at `a = 1` the tables would get no gradient) to 0
-over the first `anneal` share of the steps, so the model never falls off a cliff; the rest of the budget trains the pure
-STEM model. The blend is removed at the end: the result has no `W_up`. An interrupted healing keeps what it trained so
-far (rows, and weights trained while `a > 0`).
+Progressive conversion (`conversion.blend`): the STEM layers start as a blend `a` of the dense FFN and the converted
+one. `a` falls linearly from just below 1 (at `a = 1` the tables would get no gradient) to 0 over the first `anneal`
+share of the steps, so the model never falls off a cliff; the rest of the budget trains the pure STEM model. The blend
+is removed at the end: the result has no `W_up`. An interrupted healing keeps what it trained so far (rows, and weights
+trained while `a > 0`).
 
 Rows train at `table_lr` 1e-3 by default, no faster: AdamW moves a row by about `3 lr` per element the first time its
-token occurs, and its momentum carries the row on for some ten steps with no gradient, about
-`30 lr` in all. At 1e-2 that is the size of the rows themselves (mean |U| 0.27 for SmolLM2), and one occurrence
-overwrites what conversion fit; the paper trains from scratch on far more text, where every row occurs often.
-
-Memory: only the rows of tokens that occur in the healing text ever get a gradient, so those rows train as one compact
-fp32 copy per table (`[distinct tokens, d_ff]`, with AdamW state for those rows alone) and are written back into the
-tables at the end. Dense AdamW over full fp32 tables would cost ~1.2 GB per SmolLM2 layer.
+token occurs, and its momentum carries the row on for some ten steps with no gradient, about `30 lr` in all. Ten times
+faster, that drift is as large as the converted rows' own entries, and one occurrence overwrites what conversion fit;
+the paper trains from scratch on far more text, where every row occurs often.
 """
 
 import math
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 from tqdm import tqdm
 
+from .blend import BlendedStem
 from .options import HEAL_PRECISIONS, HEAL_TRAINABLE
+
+__all__ = [
+    "ANNEAL",
+    "PRECISIONS",
+    "TRAINABLE",
+    "check_heal_options",
+    "distillation_loss",
+    "heal",
+    "resolve_precision",
+]
 
 TRAINABLE = HEAL_TRAINABLE
 # What the teacher and student forwards and the backward compute in. Master weights, rows, optimizer state and the KL
-# stay fp32 either way. bf16 autocast heals SmolLM2-1/3 1.78x as fast on a CPU with AVX512-BF16, to the same held-out
+# stay fp32 either way. bf16 autocast heals faster where the device computes bf16 natively, to the same held-out
 # perplexity (benchmarks/results/bench_conversion_bf16.json), and is the usual choice on a GPU; on a CPU without bf16
 # instructions it can be slower, so "auto" takes bf16 only where the device has them (`resolve_precision`).
 PRECISIONS = HEAL_PRECISIONS
 # The default share of healing that anneals `a` from 1 to 0, by init: a calibrated start is already a better model than
-# the blend on the way to it (from SmolLM2-1/3 `fitted`, 20k tokens: 1.61x dense perplexity with no anneal, 1.64x with
-# 0.25), while a start far from the dense model (11.9x for `xavier`) needs the progressive blend so as not to fall off
-# a cliff.
+# the blend on the way to it, while a start far from the dense model (`projected`, `xavier`) needs the progressive blend
+# so as not to fall off a cliff (benchmarks/results/bench_conversion.json heals `fitted` and `xavier` with these).
 ANNEAL = {"fitted": 0.0, "mean": 0.0, "projected": 0.25, "xavier": 0.25}
-
-
-class StemBlendMLP(nn.Module):
-    """A STEM layer's FFN during healing: `down_a(SiLU(gate_a(x)) * (a * up(x) + (1 - a) * rows))`, `up` and the dense
-    `gate` and `down` borrowed from the source, `down_a = a * down + (1 - a) * down_proj` and `gate_a` likewise
-    (conversion may have refit `down_proj` and trained `gate_proj`). At `a = 1` it is the dense FFN exactly. Shares
-    `gate_proj` and `down_proj` with the STEM layer it stands in for, so that training them trains the STEM model."""
-
-    def __init__(self, mlp: nn.Module, dense_mlp: nn.Module):
-        super().__init__()
-        self.gate_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.down_proj, mlp.act_fn
-        self.dense = (dense_mlp,)  # a tuple: not a submodule, its weights are not this model's
-        self.blend = 1.0
-
-    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        up = rows.to(device=x.device, dtype=x.dtype)
-        a = self.blend
-        if a == 0:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * up)
-        dense = self.dense[0]
-        up = a * dense.up_proj(x) + (1.0 - a) * up
-        gate = F.linear(x, *_blend(a, dense.gate_proj, self.gate_proj))
-        return F.linear(self.act_fn(gate) * up, *_blend(a, dense.down_proj, self.down_proj))
-
-
-def _blend(a: float, source: nn.Linear, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(weight, bias)` of `a * source + (1 - a) * linear`."""
-    weight = a * source.weight + (1.0 - a) * linear.weight
-    return weight, None if linear.bias is None else a * source.bias + (1.0 - a) * linear.bias
-
-
-class StemBlendWeight(nn.Module):
-    """A parametrization of a weight conversion refit or trained outside the STEM FFNs (attention `o_proj`, the dense
-    layers' FFNs: `conversion.feedback`): `a * source + (1 - a) * weight`, so that at `a = 1` a freshly converted model
-    is the source. Gradients reach the refit weight itself, scaled by `1 - a`."""
-
-    def __init__(self, source: torch.Tensor):
-        super().__init__()
-        self.source = (source,)  # a tuple: not a buffer of the model it parametrizes
-        self.blend = 1.0
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        a = self.blend
-        return weight if a == 0 else a * self.source[0] + (1.0 - a) * weight
-
-
-class StemCompactTable(nn.Module):
-    """Stands in for a table during healing: the rows of `tokens` as one trainable fp32 `weight`
-    (`[len(tokens), d_ff]`, on `device`), every other row read from the frozen table. So the model stays valid for any
-    input (held-out text can be evaluated mid-healing) while optimizer state exists for the trained rows only."""
-
-    def __init__(self, table: nn.Embedding, tokens: torch.Tensor, device: torch.device):
-        super().__init__()
-        self.frozen = (table,)  # a tuple: not a submodule, so its parameter stays out of this module's
-        self.weight = nn.Parameter(table.weight[tokens.to(table.weight.device)].to(device, torch.float32))
-        slots = torch.full((table.num_embeddings,), -1, dtype=torch.long, device=device)
-        slots[tokens.to(device)] = torch.arange(len(tokens), device=device)
-        self.slots = nn.Buffer(slots, persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        slot = self.slots[ids]
-        rows = self.weight[slot.clamp(min=0)]
-        missing = slot < 0
-        if not missing.any():  # healing text: every token has a trained row
-            return rows
-        table = self.frozen[0]
-        rest = torch.zeros_like(rows)
-        rest[missing] = table(ids[missing].to(table.weight.device)).to(rows)
-        return torch.where(missing.unsqueeze(-1), rest, rows)
-
-
-class BlendedStem:
-    """Context manager: `stem`'s STEM layers compute the blend with `dense`'s gate, up- and down-projections, the other
-    weights and biases conversion changes (every `o_proj`, the dense layers' FFNs) are blended with `dense`'s where they
-    differ (`StemBlendWeight`), and the rows of `tokens` in `stem`'s tables train as compact fp32 copies
-    (`StemCompactTable`).
-    On exit the trained rows are written back into the tables and the STEM layers and weights are restored, also after
-    an error."""
-
-    def __init__(self, dense: nn.Module, stem: nn.Module, tokens: torch.Tensor):
-        self.dense, self.stem, self.tokens = dense, stem, tokens
-        self.saved, self.mlps, self.compact, self.weights = {}, [], nn.ModuleList(), []
-
-    def __enter__(self) -> "BlendedStem":
-        layers, tables = self.stem.model.layers, self.stem.model.stem_tables
-        device = self.stem.get_input_embeddings().weight.device
-        try:
-            for key, table in list(tables.items()):
-                layer = int(key)
-                blend = StemBlendMLP(layers[layer].mlp, self.dense.model.layers[layer].mlp)
-                compact = StemCompactTable(table, self.tokens, device)
-                self.saved[key] = (table, layers[layer].mlp)
-                layers[layer].mlp, tables[key] = blend, compact
-                self.mlps.append(blend)
-                self.compact.append(compact)
-            # What the refit changes: every o_proj, the dense layers' FFNs (the STEM layers' are StemBlendMLP's). Other
-            # weights a second healing may find changed stay as they are: blending one of two tied weights would untie
-            # them.
-            refit = [f"model.layers.{i}.self_attn.o_proj" for i in range(len(layers))]
-            refit += [
-                f"model.layers.{i}.mlp.{name}"
-                for i in range(len(layers))
-                if str(i) not in tables
-                for name in ("gate_proj", "up_proj", "down_proj")
-            ]
-            sources, modules = dict(self.dense.named_modules()), dict(self.stem.named_modules())
-            for name in refit:
-                module, source = modules[name], sources.get(name)
-                if not isinstance(source, nn.Linear):
-                    continue
-                for tensor in ("weight", "bias"):  # local training changes the dense FFNs' biases too
-                    ours, theirs = getattr(module, tensor), getattr(source, tensor)
-                    if theirs is not None and not torch.equal(ours, theirs):
-                        blend = StemBlendWeight(theirs)
-                        parametrize.register_parametrization(module, tensor, blend)
-                        self.weights.append((module, tensor, blend))
-        except BaseException:
-            self._restore(write_back=False)
-            raise
-        return self
-
-    def set_blend(self, a: float) -> None:
-        for blend in (*self.mlps, *(blend for *_, blend in self.weights)):
-            blend.blend = a
-
-    def __exit__(self, *exc) -> None:
-        self._restore(write_back=True)
-
-    def _restore(self, write_back: bool) -> None:
-        layers, tables = self.stem.model.layers, self.stem.model.stem_tables
-        try:
-            if write_back:
-                with torch.no_grad():
-                    for key, (table, _) in self.saved.items():
-                        tokens = self.tokens.to(table.weight.device)
-                        table.weight[tokens] = tables[key].weight.to(table.weight)
-        finally:
-            for key, (table, mlp) in self.saved.items():
-                layers[int(key)].mlp, tables[key] = mlp, table
-            for module, tensor, _ in self.weights:  # the refit weight, as trained, is the module's weight again
-                parametrize.remove_parametrizations(module, tensor, leave_parametrized=False)
-            self.weights.clear()
 
 
 def _trainable(stem: nn.Module, train: str) -> list[nn.Parameter]:
@@ -292,29 +153,15 @@ def heal(
     check_heal_options(tokens, train, anneal, table_lr, lr, warmup, log_every, precision=precision)
     if not stem.config.stem_layers:
         raise ValueError("healing: the model has no STEM layers, so there is nothing to heal")
-    chunks = [c for c in chunks if len(c) >= 2]
-    if not chunks or tokens < 2:
-        raise ValueError("healing needs calibration text: no chunk holds two tokens")
-    steps, total = [], 0  # the chunks of each step, cycling through the text, `tokens` in all
-    while total < tokens:
-        chunk = chunks[len(steps) % len(chunks)][: tokens - total]
-        if len(chunk) < 2:
-            break
-        steps.append(chunk)
-        total += len(chunk)
+    steps = _steps(chunks, tokens)
     start = time.perf_counter()
-    was_training = stem.training, dense.training
-    flags = {p: p.requires_grad for p in (*dense.parameters(), *stem.parameters())}
-    dense.eval().requires_grad_(False)
-    stem.requires_grad_(False)
-    params = [p for p in _trainable(stem, train) if flags[p]]  # what the caller froze stays frozen
-    for p in params:
-        p.requires_grad_(True)
     seen = torch.unique(torch.cat(steps))
     device = stem.get_input_embeddings().weight.device
     precision = resolve_precision(precision, device)
-    losses, seen_tokens = [], 0
-    try:
+    with _frozen(dense, stem) as flags:
+        params = [p for p in _trainable(stem, train) if flags[p]]  # what the caller froze stays frozen
+        for p in params:
+            p.requires_grad_(True)
         with BlendedStem(dense, stem, seen) as blend:
             blend.set_blend(0.0)
             kl_before = _mean_kl(dense, stem, steps[:4], device)  # the pure STEM model, before any training
@@ -322,50 +169,9 @@ def heal(
             if params:
                 groups.append({"params": params, "lr": lr})
             optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-            n, n_warm = len(steps), max(1, int(warmup * len(steps)))
-
-            def schedule(step: int) -> float:
-                if step < n_warm:
-                    return (step + 1) / n_warm
-                return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - n_warm) / max(1, n - n_warm - 1)))
-
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-            n_anneal = math.ceil(anneal * n)
-            stem.train()
-            bar = tqdm(steps, desc="healing", unit="step")
-            for step, ids in enumerate(bar):
-                a = max(0.0, 1.0 - (step + 1) / (n_anneal + 1))  # n_anneal steps strictly between 1 and 0
-                blend.set_blend(a)
-                ids = ids[None].to(device)
-                # fp32 opens no autocast context at all: not every device type has one
-                bf16 = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-                with bf16:
-                    with torch.no_grad():
-                        teacher = dense(ids, use_cache=False).logits
-                    student = stem(ids, use_cache=False).logits
-                loss = distillation_loss(student, teacher)
-                loss.backward()
-                for group in groups:
-                    torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-                seen_tokens += ids.shape[1]
-                if (step + 1) % log_every == 0 or step + 1 == n:
-                    kl = sum(losses[-log_every:]) / len(losses[-log_every:])
-                    bar.set_postfix(kl=f"{kl:.3f}", a=f"{a:.2f}")
-                    if callback is not None:
-                        stem.eval()
-                        callback(seen_tokens, a, kl)
-                        stem.train()
-    finally:
-        stem.train(was_training[0])
-        dense.train(was_training[1])
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+            losses = _train(dense, stem, blend, steps, optimizer, anneal, warmup, precision, log_every, callback)
     return {
-        "heal_tokens": total,
+        "heal_tokens": sum(len(step) for step in steps),
         "heal_steps": len(steps),
         "heal_train": train,
         "heal_anneal": anneal,
@@ -374,6 +180,114 @@ def heal(
         "heal_precision": precision,
         "heal_rows": len(seen),
         "heal_kl_before": kl_before,
-        "heal_kl_last": sum(losses[-log_every:]) / len(losses[-log_every:]),
+        "heal_kl_last": _recent(losses, log_every),
         "heal_wall_time_s": time.perf_counter() - start,
     }
+
+
+def _steps(chunks: list[torch.Tensor], tokens: int) -> list[torch.Tensor]:
+    """The chunk of each step, cycling through `chunks`, `tokens` in all."""
+    chunks = [c for c in chunks if len(c) >= 2]
+    if not chunks or tokens < 2:
+        raise ValueError("healing needs calibration text: no chunk holds two tokens")
+    steps, total = [], 0
+    while total < tokens:
+        chunk = chunks[len(steps) % len(chunks)][: tokens - total]
+        if len(chunk) < 2:
+            break
+        steps.append(chunk)
+        total += len(chunk)
+    return steps
+
+
+@contextmanager
+def _frozen(dense: nn.Module, stem: nn.Module) -> Iterator[dict[nn.Parameter, bool]]:
+    """Both models with no parameter trainable, the dense one in eval mode; yields what was trainable. Restores their
+    modes and flags on exit, also after an error."""
+    was_training = stem.training, dense.training
+    flags = {p: p.requires_grad for p in (*dense.parameters(), *stem.parameters())}
+    dense.eval().requires_grad_(False)
+    stem.requires_grad_(False)
+    try:
+        yield flags
+    finally:
+        stem.train(was_training[0])
+        dense.train(was_training[1])
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+
+
+def _schedule(steps: int, warmup: float) -> Callable[[int], float]:
+    """The learning rate factor at each step: linear warmup over `warmup` of the steps, then a cosine down to 10%."""
+    n_warm = max(1, int(warmup * steps))
+
+    def schedule(step: int) -> float:
+        if step < n_warm:
+            return (step + 1) / n_warm
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - n_warm) / max(1, steps - n_warm - 1)))
+
+    return schedule
+
+
+def _recent(losses: list[float], log_every: int) -> float:
+    return sum(losses[-log_every:]) / len(losses[-log_every:])
+
+
+def _train(
+    dense: nn.Module,
+    stem: nn.Module,
+    blend: BlendedStem,
+    steps: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    anneal: float,
+    warmup: float,
+    precision: str,
+    log_every: int,
+    callback: Callable[[int, float, float], None] | None,
+) -> list[float]:
+    """The healing loop: one chunk per step, the blend annealed over the first `anneal` of the steps. Returns the
+    step losses."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(len(steps), warmup))
+    n_anneal = math.ceil(anneal * len(steps))
+    device = stem.get_input_embeddings().weight.device
+    losses, seen_tokens = [], 0
+    stem.train()
+    bar = tqdm(steps, desc="healing", unit="step")
+    for step, ids in enumerate(bar):
+        a = max(0.0, 1.0 - (step + 1) / (n_anneal + 1))  # n_anneal steps strictly between 1 and 0
+        blend.set_blend(a)
+        losses.append(_step(dense, stem, ids[None].to(device), precision, optimizer, scheduler))
+        seen_tokens += len(ids)
+        if (step + 1) % log_every == 0 or step + 1 == len(steps):
+            kl = _recent(losses, log_every)
+            bar.set_postfix(kl=f"{kl:.3f}", a=f"{a:.2f}")
+            if callback is not None:
+                stem.eval()
+                callback(seen_tokens, a, kl)
+                stem.train()
+    return losses
+
+
+def _step(
+    dense: nn.Module,
+    stem: nn.Module,
+    ids: torch.Tensor,
+    precision: str,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> float:
+    """One distillation step on `ids` (`[1, length]`); returns its loss."""
+    # fp32 opens no autocast context at all: not every device type has one
+    bf16 = torch.autocast(ids.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    with bf16:
+        with torch.no_grad():
+            teacher = dense(ids, use_cache=False).logits
+        student = stem(ids, use_cache=False).logits
+    loss = distillation_loss(student, teacher)
+    loss.backward()
+    for group in optimizer.param_groups:
+        torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
