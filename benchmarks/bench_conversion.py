@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_conversion.py [--ratios 1/3 1/2] [--inits fitted 
        [--heal-ratios 1/3] [--heal-precisions fp32 bf16] [--plot PNG] [--json PATH]
        python benchmarks/bench_conversion.py --replot RUN.json [RUN.json ...] --plot PNG
 
-Calibration text and held-out text are disjoint documents of the bundled corpus (conversion/assets.py); healing runs on
+Calibration text and held-out text are disjoint documents of the bundled corpus (stem_hf/assets.py); healing runs on
 the calibration corpus's text that follows the calibration tokens.
 A healing curve is one run of `--heal-tokens` tokens, evaluated on the held-out text at `--eval-every` tokens once the
 W_up blend is annealed out (before that the model still borrows the dense up-projection). With several
@@ -23,8 +23,9 @@ import torch
 
 from stem_hf.assets import corpora, smollm2_gguf
 from stem_hf.conversion import convert, load_source
-from stem_hf.conversion.convert import calibration_and_healing_chunks, chunk_texts, perplexity
 from stem_hf.conversion.heal import ANNEAL, heal
+from stem_hf.conversion.report import perplexity
+from stem_hf.conversion.text import calibration_and_healing_chunks, chunk_texts
 
 # convert() options of each variant. `fitted` refits every output projection from the first STEM layer on, layer by
 # layer along the residual stream, and trains the gates locally on the way (the defaults); "fitted-no-local" skips the

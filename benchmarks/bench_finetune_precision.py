@@ -21,7 +21,8 @@ from transformers import AutoTokenizer, Trainer, TrainingArguments
 
 from stem_hf import StemForCausalLM
 from stem_hf.assets import corpora, smollm2_gguf
-from stem_hf.conversion.convert import chunk_texts, convert
+from stem_hf.conversion import convert
+from stem_hf.conversion.text import chunk_texts
 
 
 def batches(tokenizer, bos: int, steps: int, batch: int, length: int) -> list[dict]:

@@ -16,14 +16,15 @@ import torch
 from stem_hf import StemForCausalLM
 from stem_hf.assets import corpora, smollm2_gguf
 from stem_hf.conversion import convert, load_source
-from stem_hf.conversion.convert import _copy_dense_weights, chunk_texts, perplexity
-from stem_hf.conversion.sources import stem_config_from_dense
+from stem_hf.conversion.report import perplexity
+from stem_hf.conversion.sources import copy_dense_weights, stem_config_from_dense
+from stem_hf.conversion.text import chunk_texts
 
 
 def subset(dense, full, layers: list[int]) -> StemForCausalLM:
     """The conversion of `layers` alone, taken from `full` (a conversion of every layer)."""
     model = StemForCausalLM(stem_config_from_dense(dense.config, sorted(layers), "bfloat16")).eval()
-    _copy_dense_weights(dense, model)
+    copy_dense_weights(dense, model)
     with torch.no_grad():
         for layer in layers:
             model.model.stem_tables[str(layer)].weight.copy_(full.model.stem_tables[str(layer)].weight)

@@ -232,7 +232,8 @@ def test_bad_healing_options_are_clear_errors():
 
 
 def test_convert_with_healing_reports_before_and_after(tmp_path):
-    from stem_hf.conversion.convert import chunk_texts, perplexity
+    from stem_hf.conversion.report import perplexity
+    from stem_hf.conversion.text import chunk_texts
 
     dense = _opinionated("qwen2")
     heldout = _texts(2, 120, seed=3)
@@ -266,7 +267,7 @@ def test_convert_with_healing_reports_before_and_after(tmp_path):
 
 
 def test_healing_text_follows_the_calibration_tokens():
-    from stem_hf.conversion.convert import calibration_and_healing_chunks, chunk_texts
+    from stem_hf.conversion.text import calibration_and_healing_chunks, chunk_texts
 
     texts = _texts(8, 120, seed=4)
     # the calibration ends inside a chunk, whose rest healing then skips

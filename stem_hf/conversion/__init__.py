@@ -10,13 +10,17 @@ import types
 _EXPORTS = {
     "INITS": "options",
     "SUPPORTED_ARCHITECTURES": "sources",
+    "ConversionPlan": "plan",
+    "ConversionReport": "report",
+    "ConversionText": "text",
     "convert": "convert",
     "load_source": "sources",
+    "run_conversion": "convert",
     "stem_config_from_dense": "sources",
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

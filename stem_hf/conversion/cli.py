@@ -8,15 +8,18 @@ from fnmatch import fnmatch
 
 from ..accounting import check_local
 from ..assets import CORPUS_NAMES, corpora, read_texts
+from ..storage_stem import CONFIG_NAME
 from .options import CALIBRATED_INITS, DTYPE_ALIASES, HEAL_PRECISIONS, HEAL_TRAINABLE, INITS, PRIOR_CONTEXT, REFITS
+
+__all__ = ["MODEL_FILES", "add_parsers", "model_files", "run", "run_convert"]
 
 # What makes a folder hold a model: saving a checkpoint there replaces its config and deletes weight files it does not
 # write itself (transformers' stale-shard cleanup removes `model*.safetensors`, even `model.gguf`).
-MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf")
+MODEL_FILES = (CONFIG_NAME, "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf")
 MODEL_FILES += ("*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack")
 
 
-def add_parsers(commands) -> None:
+def add_parsers(commands: argparse._SubParsersAction) -> None:
     """Adds `demo` and `convert` to the `stem-hf` subcommands."""
     demo = commands.add_parser("demo", help="convert SmolLM2-135M (or --source) to STEM, reload it, compare with dense")
     demo.add_argument("--out", default="runs/demo", help="where to save the converted checkpoint")
@@ -139,11 +142,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def run_convert(args: argparse.Namespace) -> dict:
+    """Runs `stem-hf convert` as parsed: checks what it can before anything loads, converts, prints the report."""
     import torch
 
-    from .convert import check_source_and_out, convert
+    from .convert import convert
+    from .sources import check_source_and_out
 
-    torch.set_flush_denormal(True)  # dequantized checkpoints hold denormals: 4-5x slower CPU matmuls without this
+    torch.set_flush_denormal(True)  # dequantized checkpoints hold denormals, which CPUs multiply slowly
     table_dtype = DTYPE_ALIASES.get(args.table_dtype, args.table_dtype)
     # Checked before anything loads: the source, OUT, --stem-layers (from the source's config alone), the tokenizer.
     planned = check_source_and_out(args.source, args.out, args.stem_layers, table_dtype)
@@ -153,29 +158,12 @@ def run_convert(args: argparse.Namespace) -> dict:
             f"{args.out} already holds a model ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}): "
             "converting into it would replace it; pass --overwrite to do so, or choose another folder"
         )
-    bundled = corpora() if args.calibration is None or args.heldout is None else None
-    calibration = read_texts(args.calibration) if args.calibration is not None else bundled["calibration"]
-    heldout = read_texts(args.heldout) if args.heldout is not None else bundled["heldout"]
-    heal_options = {
-        "train": args.heal_train,
-        "anneal": args.heal_anneal,
-        "table_lr": args.heal_table_lr,
-        "lr": args.heal_lr,
-        "precision": args.heal_precision,
-    }
+    calibration, heldout = _texts(args)
     prior_context = args.prior_context
     if prior_context is None and not args.no_prior_context and args.init in CALIBRATED_INITS:
         prior_context = PRIOR_CONTEXT
-    texts = [
-        what
-        for what, given in (
-            ("the bundled calibration corpus" if args.calibration is None else "the --calibration files", calibration),
-            ("the bundled held-out corpus" if args.heldout is None else "the --heldout files", heldout),
-            (f"the prior context {prior_context!r}", prior_context is not None and planned.stem_layers),
-        )
-        if given
-    ]
-    tokenizer = _tokenizer(args, planned.vocab_size, " and ".join(texts) if texts else None)
+    read = _tokenized(args, calibration, heldout, prior_context if planned.stem_layers else None)
+    tokenizer = _tokenizer(args, planned.vocab_size, read)
     _, report = convert(
         args.source,
         args.out,
@@ -193,7 +181,7 @@ def run_convert(args: argparse.Namespace) -> dict:
         dense_epochs=args.dense_epochs,
         device=args.device,
         heal_tokens=args.heal_tokens,
-        heal_options={k: v for k, v in heal_options.items() if v is not None},
+        heal_options=_heal_options(args),
         calibration_name=", ".join(args.calibration) if args.calibration is not None else CORPUS_NAMES["calibration"],
         heldout_name=", ".join(args.heldout) if args.heldout is not None else CORPUS_NAMES["heldout"],
         base_model=args.base_model,
@@ -201,3 +189,37 @@ def run_convert(args: argparse.Namespace) -> dict:
     )
     print(json.dumps(report, indent=2))
     return report
+
+
+def _texts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The calibration and held-out texts: the files given, else the bundled corpus."""
+    bundled = corpora() if args.calibration is None or args.heldout is None else None
+    calibration = read_texts(args.calibration) if args.calibration is not None else bundled["calibration"]
+    heldout = read_texts(args.heldout) if args.heldout is not None else bundled["heldout"]
+    return calibration, heldout
+
+
+def _tokenized(args: argparse.Namespace, calibration: list, heldout: list, prior_context: str | None) -> str | None:
+    """What the conversion tokenizes, for the error when there is no tokenizer (None: nothing)."""
+    read = [
+        what
+        for what, given in (
+            ("the bundled calibration corpus" if args.calibration is None else "the --calibration files", calibration),
+            ("the bundled held-out corpus" if args.heldout is None else "the --heldout files", heldout),
+            (f"the prior context {prior_context!r}", prior_context is not None),
+        )
+        if given
+    ]
+    return " and ".join(read) if read else None
+
+
+def _heal_options(args: argparse.Namespace) -> dict:
+    """The healing options given: left unset, `heal` takes its defaults."""
+    options = {
+        "train": args.heal_train,
+        "anneal": args.heal_anneal,
+        "table_lr": args.heal_table_lr,
+        "lr": args.heal_lr,
+        "precision": args.heal_precision,
+    }
+    return {k: v for k, v in options.items() if v is not None}

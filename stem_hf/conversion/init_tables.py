@@ -10,8 +10,100 @@ mean FFN input. The BOS token gets the exact position-0 row.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch import nn
+from tqdm import tqdm
+
+from .calibrate import LayerStats, calibrate, context_inputs
+from .options import CALIBRATED_INITS
+
+__all__ = ["ROW_BLOCK", "calibrated_rows", "init_tables", "projected_rows", "ridge_map"]
+
+ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
+
+
+@dataclass
+class _Calibration:
+    seen: torch.Tensor  # the distinct tokens of the calibration text past position 0
+    slots: torch.Tensor  # [vocab] -> row of the statistics' accumulators, -1 for an unseen token
+    stats: dict[int, LayerStats]
+    tokens: int
+
+    def info(self, vocab: int) -> dict:
+        """Calibration facts for the report."""
+        return {
+            "calibration_tokens": self.tokens,
+            "distinct_tokens": len(self.seen),
+            "vocab_coverage": len(self.seen) / vocab,
+        }
+
+
+def _calibrate(dense: nn.Module, chunks: list[torch.Tensor], layers: list[int], init: str, vocab: int) -> _Calibration:
+    if not chunks:
+        raise ValueError(f"init {init!r} needs calibration text (--calibration)")
+    ids = torch.cat([c[1:] for c in chunks])
+    if len(ids) == 0:
+        raise ValueError(f"init {init!r}: the calibration text holds no token past position 0 of its chunks")
+    seen = torch.unique(ids)
+    slots = torch.full((vocab,), -1, dtype=torch.long)
+    slots[seen] = torch.arange(len(seen))
+    stats = calibrate(dense, chunks, layers, slots.clamp(min=0), init == "fitted")
+    return _Calibration(seen, slots, stats, sum(len(c) for c in chunks))
+
+
+@torch.inference_mode()
+def init_tables(
+    dense: nn.Module,
+    stem: nn.Module,
+    init: str,
+    chunks: list[torch.Tensor],
+    shrink: float = 16.0,
+    ridge: float = 1e-2,
+    layers: list[int] | None = None,
+    prior_prefix: list[int] | None = None,
+) -> dict:
+    """Fills every table of `stem` (or those of `layers`) from `dense`. Returns calibration facts for the report.
+    `prior_prefix` (token ids, for `mean` and `fitted`): the fallback that rare and unseen tokens' rows lean on is a
+    ridge map from the token's input embedding and its FFN input after this prefix (`context_inputs`), not from the
+    embedding alone."""
+    layers = stem.config.stem_layers if layers is None else layers
+    vocab = stem.config.vocab_size
+    uncalibrated = {"calibration_tokens": 0, "distinct_tokens": 0, "vocab_coverage": 0.0}
+    if init == "xavier" or not layers:
+        return uncalibrated  # the model's own init
+    embed = dense.get_input_embeddings().weight.detach()
+    if init not in CALIBRATED_INITS:
+        for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
+            block = dense.model.layers[layer]
+            _fill(stem.model.stem_tables[str(layer)].weight, lambda rows: projected_rows(block, embed, rows))  # noqa: B023
+        return uncalibrated
+    calibration = _calibrate(dense, chunks, layers, init, vocab)
+    context = None
+    if prior_prefix is not None:
+        context = context_inputs(dense, layers, prior_prefix, vocab)
+        embed_features = embed[:vocab].float().cpu()  # beside each layer's context inputs, which live on the CPU
+    bos = stem.config.bos_token_id if all(c[0] == stem.config.bos_token_id for c in chunks) else None
+    for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
+        stats = calibration.stats[layer]
+        features = embed if context is None else torch.cat([embed_features, context.pop(layer)], dim=1)
+        mean_x = stats.sum_x[: len(calibration.seen)] / stats.count[: len(calibration.seen), None].clamp(min=1)
+        fallback = ridge_map(features, calibration.seen, mean_x, stats.count, ridge)
+        mlp, slots = dense.model.layers[layer].mlp, calibration.slots
+
+        def rows_of(rows: slice) -> torch.Tensor:
+            return calibrated_rows(mlp, stats, slots, fallback, features, rows, init, shrink, bos)  # noqa: B023
+
+        _fill(stem.model.stem_tables[str(layer)].weight, rows_of)
+    return calibration.info(vocab)
+
+
+def _fill(table: torch.Tensor, rows_of: Callable[[slice], torch.Tensor]) -> None:
+    """Sets `table` block by block from `rows_of(rows)`, computed in fp32."""
+    for start in range(0, len(table), ROW_BLOCK):
+        rows = slice(start, min(start + ROW_BLOCK, len(table)))
+        table[rows] = rows_of(rows).to(table.dtype)
 
 
 def ridge_map(
@@ -27,21 +119,22 @@ def ridge_map(
     return lambda e: e.float() @ solution[:-1] + solution[-1]
 
 
-def _up(mlp, x: torch.Tensor) -> torch.Tensor:
+def _up(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mlp.up_proj(x)
 
 
 @torch.inference_mode()
-def projected_rows(layer, embed: torch.Tensor, rows: slice) -> torch.Tensor:
+def projected_rows(layer: nn.Module, embed: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows `rows` of the `projected` table of the dense decoder layer `layer`, from the token embeddings `embed`."""
     return _up(layer.mlp, layer.post_attention_layernorm(embed[rows].float()))
 
 
 @torch.inference_mode()
 def calibrated_rows(
-    mlp,
-    stats,
+    mlp: nn.Module,
+    stats: LayerStats,
     slots: torch.Tensor,
-    fallback_x,
+    fallback_x: Callable[[torch.Tensor], torch.Tensor],
     features: torch.Tensor,
     rows: slice,
     init: str,

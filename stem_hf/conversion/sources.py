@@ -1,13 +1,31 @@
 """Dense source checkpoints: load them (folder, Hub id or .gguf file) and map their config onto a `StemConfig`, refusing
-what STEM cannot represent instead of converting it silently wrong."""
+what STEM cannot represent instead of converting it silently wrong; the STEM model that starts from their weights."""
 
 import os
+import re
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .. import StemConfig
+from .. import StemConfig, StemForCausalLM
+from ..accounting import check_local
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "Source",
+    "check_source_and_out",
+    "copy_dense_weights",
+    "load_source",
+    "load_source_config",
+    "open_source",
+    "stem_config_from_dense",
+    "stem_from_dense",
+]
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -82,7 +100,7 @@ def stem_config_from_dense(
     )
 
 
-def load_source(source: str):
+def load_source(source: str) -> tuple[nn.Module, object | None]:
     """Returns `(dense_model, tokenizer_or_None)` in fp32 on CPU. Checks the architecture before reading any weight."""
     config = load_source_config(source)
     stem_config_from_dense(config, [])  # refuses unsupported sources early
@@ -96,3 +114,87 @@ def load_source(source: str):
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return model, tokenizer
+
+
+@dataclass
+class Source:
+    """A loaded dense model, the tokenizer for its text (None if there is none), and what the report and the model card
+    call it: its name, its Hub id and its license id."""
+
+    model: nn.Module
+    tokenizer: object | None
+    name: str
+    base_model: str | None = None
+    license: str | None = None
+
+
+def open_source(
+    source: "str | os.PathLike | nn.Module | Source",
+    tokenizer: object | None = None,
+    base_model: str | None = None,
+    license: str | None = None,
+) -> Source:
+    """Loads `source` (a folder, Hub id or `.gguf` file; a loaded model, or a `Source`, is taken as it is). `tokenizer`,
+    when given, replaces the source's own; `base_model` defaults to `source` when that is a Hub id."""
+    if isinstance(source, Source):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        dense, loaded = load_source(os.fspath(source))
+        tokenizer, name = tokenizer or loaded, os.fspath(source)
+    else:
+        dense, name = source.eval(), source.config.name_or_path or type(source).__name__
+    if base_model is None and isinstance(source, str) and not os.path.exists(source) and HUB_ID.fullmatch(source):
+        base_model = source
+    return Source(dense, tokenizer, name, base_model, license)
+
+
+def check_source_and_out(
+    source: str | os.PathLike | nn.Module,
+    out: str | os.PathLike | None,
+    stem_layers: str | list[int],
+    table_dtype: str = "bfloat16",
+) -> StemConfig | None:
+    """What can go wrong before a source loads, checked from its config alone: a path source exists (a missing folder
+    is named as such, not tried as a Hub id), `out` is a folder and not the source's own (saving there would replace
+    the dense checkpoint), the architecture is supported and `stem_layers` fits its layers. Returns the `StemConfig`
+    the conversion will build (None for an already-loaded source, whose config is checked when it is used)."""
+    if out is not None and os.path.isfile(out):
+        raise FileExistsError(f"out: {os.fspath(out)} is a file; the STEM checkpoint is written to a folder")
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    source = os.fspath(source)
+    gguf = source.endswith(".gguf")
+    local = os.path.exists(source) if gguf else check_local(source)
+    folder = os.path.dirname(os.path.abspath(source)) if gguf else source
+    if out is not None and os.path.isdir(out) and os.path.isdir(folder) and os.path.samefile(out, folder):
+        raise ValueError(
+            f"out: {os.fspath(out)} is the source's own folder ({source}); the STEM checkpoint would replace its "
+            "weights and config: choose another folder"
+        )
+    try:
+        config = load_source_config(source)
+    except OSError as error:
+        if local or gguf:
+            raise
+        raise FileNotFoundError(
+            f"{source}: no such folder, nor a Hub repo whose config could be read ({error})"
+        ) from error
+    return stem_config_from_dense(config, stem_layers, table_dtype)
+
+
+def copy_dense_weights(dense: nn.Module, stem: StemForCausalLM) -> None:
+    """Every dense weight but the STEM layers' up-projections, by name: STEM keeps Llama's names."""
+    dropped = {f"model.layers.{i}.mlp.up_proj.{p}" for i in stem.config.stem_layers for p in ("weight", "bias")}
+    state = {k: v for k, v in dense.state_dict().items() if k not in dropped}
+    missing, unexpected = stem.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "stem_tables" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"dense and STEM weights do not line up: missing {missing}, unexpected {unexpected}")
+
+
+def stem_from_dense(dense: nn.Module, stem_layers: str | list[int], table_dtype: str) -> StemForCausalLM:
+    """The STEM model of `dense` with `stem_layers` converted: every dense weight copied, tables at their own init."""
+    stem = StemForCausalLM(stem_config_from_dense(dense.config, stem_layers, table_dtype)).eval()
+    copy_dense_weights(dense, stem)
+    stem.generation_config = dense.generation_config
+    return stem
