@@ -31,7 +31,7 @@ UNSEEN_ROWS = {
     "xavier": "rows are the random xavier-normal init, not fit to the dense model",
 }
 
-# What conversion refit after the tables were set (conversion/refit_down.py, conversion/feedback.py).
+# What conversion refit after the tables were set (stem_hf/conversion/refit.py).
 REFIT_TEXTS = {
     "none": None,
     "plain": "`W_down` of the STEM layers refit in closed form to the dense FFN outputs",
