@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--tasks", default="stem_offline")
     parser.add_argument("--out", default="benchmarks/results/bench_eval.json")
     args = parser.parse_args()
-    torch.set_flush_denormal(True)  # dequantized GGUF weights hold denormals: 4-5x slower CPU matmuls without this
+    torch.set_flush_denormal(True)  # dequantized GGUF weights hold denormals, which slow CPU matmuls
 
     with open(os.path.join(args.checkpoint, REPORT_FILE)) as f:
         report = json.load(f)

@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 
 from stem_hf import StemForCausalLM
 from stem_hf.assets import corpora
-from stem_hf.conversion.convert import chunk_texts, perplexity
+from stem_hf.conversion.report import perplexity
+from stem_hf.conversion.text import chunk_texts
 from stem_hf.offload import StemHostTables, StemOffloadEngine, StemRowCache
 
 

@@ -4,6 +4,8 @@ how many table parameters a context activates as it grows. Each returns JSON-rea
 import torch
 from torch import nn
 
+from .extras import require
+
 
 def angular_spread(vectors: torch.Tensor, pairs: int = 20_000, seed: int = 0) -> dict:
     """|cos| between `pairs` random pairs of distinct rows of `vectors` `[n, d]` (L2-normalized; zero rows dropped):
@@ -76,7 +78,7 @@ def activated_parameters(
 
 
 def plot_spread(stem: dict[int, dict], dense: dict[int, dict] | None, path: str) -> None:
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -107,7 +109,7 @@ def plot_spread(stem: dict[int, dict], dense: dict[int, dict] | None, path: str)
 
 
 def plot_activated(activated: dict, dense_ffn_params: int, path: str) -> None:
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

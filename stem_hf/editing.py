@@ -137,14 +137,15 @@ class StemEditor:
     the model exactly as it was. Occurrences are found within each forward's ids: during `generate`, a source in the
     prompt is edited; a multi-token source that appears only across decode steps, or across prefill chunks
     (`prefill_chunk_size`), is not. `require=True` checks that the first forward holds every source: pass
-    `require=False` with chunked prefill. Edits read the model's tables, so they do not combine with an attached
-    offload engine (which serves rows from its own store)."""
+    `require=False` with chunked prefill. Entered while an offload engine is attached, it edits the ids the engine
+    serves; `mean` edits also read the model's tables, so they refuse tables the engine freed."""
 
     def __init__(self, model: nn.Module, edits: Sequence[StemEdit], require: bool = True):
         check_edits(model, edits)
         self.model, self.edits, self.require = model, list(edits), require
         self.tables = model.base_model.stem_tables
         self._source = None  # the row source the editor wraps while active
+        self._active = False
         self._calls = 0
 
     def __call__(self, stem_input_ids: torch.LongTensor) -> _EditedRows:
@@ -164,13 +165,23 @@ class StemEditor:
         return _EditedRows(rows, self.tables, overrides)
 
     def __enter__(self) -> "StemEditor":
+        if self._active:
+            raise RuntimeError("StemEditor: already active; enter an editor once at a time")
+        if any(e.strategy == "mean" for e in self.edits) and any(t.weight.shape[0] == 0 for t in self.tables.values()):
+            raise ValueError("StemEditor: mean edits read the tables, which an offload engine freed (free_tables=True)")
         self._calls = 0
         self._source = self.model.base_model.set_row_source(self)
+        self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
-        self.model.base_model.set_row_source(self._source)
-        self._source = None
+        base = self.model.base_model
+        if base.row_source is not self:
+            raise RuntimeError(
+                f"StemEditor: {base.row_source!r}, set inside this editor, is still active; leave it first"
+            )
+        base.set_row_source(self._source)
+        self._source, self._active = None, False
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from transformers.utils import logging
 
 from .accounting import read_model_type
 from .configuration_stem import StemConfig
+from .extras import require
 from .modeling_stem import StemForCausalLM
 from .storage_stem import RESULTS_FILE, SAVE_ID_KEY
 
@@ -90,7 +91,7 @@ def evaluate(
     those weights; a file that holds results of other weights is renamed aside (`lm_eval_results.<id>-<time>.json`),
     not merged into.
     """
-    import lm_eval
+    lm_eval = require("lm_eval")
     from lm_eval.tasks import TaskManager
 
     if not tasks:
@@ -128,7 +129,7 @@ def evaluate(
 
 
 def _lm_class():
-    from lm_eval.models.huggingface import HFLM
+    HFLM = require("lm_eval.models.huggingface").HFLM
 
     class StemHFLM(HFLM):
         """HFLM that encodes rolling-loglikelihood text without special tokens. lm-eval puts its own BOS prefix

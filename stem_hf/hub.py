@@ -8,7 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from huggingface_hub import HfApi
+from huggingface_hub import CommitInfo, HfApi
+from huggingface_hub.errors import HfHubHTTPError
 from transformers.utils import logging
 from transformers.utils.hub import create_and_tag_model_card
 
@@ -108,12 +109,12 @@ def push_model(
     create_pr: bool = False,
     max_shard_size: int | str | None = "50GB",
     tags: list[str] | None = None,
-) -> str:
+) -> CommitInfo:
     """`model.push_to_hub` for a STEM model: uploads what `save_pretrained` writes (config, copied code, dense and table
     shards) and the stem-hf model card, with `repo_id` in its usage snippet. A card on the Hub that a person wrote is
     kept, its tags updated, as transformers does; a card stem-hf generated is refreshed. `tags` go to the card only.
     The tokenizer is pushed on its own (`tokenizer.push_to_hub`), or with the whole folder by `stem-hf push`. Returns
-    the commit URL."""
+    the commit's `CommitInfo`, as transformers' `push_to_hub` does."""
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     with tempfile.TemporaryDirectory() as root:
@@ -133,17 +134,27 @@ def push_model(
             all_tags = [*(model.model_tags or []), *(tags or [])]
             create_and_tag_model_card(repo_id, all_tags, token=token).save(os.path.join(tmp, "README.md"))
         write_card(model, tmp, repo_id, tags)
-        if revision is not None and not revision.startswith("refs/pr"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        commit = api.upload_folder(
+        _create_branch(api, repo_id, revision, create_pr)
+        name = type(model).__name__
+        return api.upload_folder(  # transformers' default message, as its push_to_hub writes it
             repo_id=repo_id,
             folder_path=tmp,
             revision=revision,
-            commit_message=commit_message or "Upload model",
+            commit_message=commit_message or ("Upload model" if "Model" in name else f"Upload {name}"),
             commit_description=commit_description,
             create_pr=create_pr,
         )
-        return commit.pr_url if create_pr else commit.commit_url
+
+
+def _create_branch(api: HfApi, repo_id: str, revision: str | None, create_pr: bool) -> None:
+    """Creates `revision` if missing; a pull request may target a branch it cannot create, as transformers allows."""
+    if revision is None or revision.startswith("refs/pr"):
+        return
+    try:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    except HfHubHTTPError as error:
+        if not (create_pr and error.response is not None and error.response.status_code == 403):
+            raise
 
 
 __all__ = ["push_checkpoint", "push_model"]

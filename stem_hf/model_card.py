@@ -45,7 +45,7 @@ REFIT_TEXTS = {
 
 def _unseen_rows(report: dict) -> str | None:
     text = UNSEEN_ROWS.get(report.get("init"))
-    # conversion.convert.CALIBRATED_INITS: stem_hf does not import conversion (nor torch) to write a card
+    # conversion.options.CALIBRATED_INITS, spelled here: writing a card imports no conversion module
     if report.get("init") in ("fitted", "mean") and report.get("prior_context") is not None:
         bos = "BOS and " if report.get("bos_prepended") else ""
         text += f" and their FFN inputs after {bos}{report['prior_context']!r}"

@@ -183,22 +183,33 @@ class StemOffloadEngine:
         self._ahead: Future | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._attached = False
-        self._previous = None  # the row source the engine replaced while attached
         self.freed = free_tables
         if free_tables:
             for module in self.tables_module.values():
                 module.weight = nn.Parameter(torch.empty(0, width, dtype=module.weight.dtype), requires_grad=False)
 
     def attach(self) -> "StemOffloadEngine":
-        """Serves the model's rows from the engine (`StemModel.set_row_source`) until `detach`."""
+        """Serves the model's rows from the engine (`StemModel.set_row_source`) until `detach`. The engine reads its own
+        store, so it must be the first source: a `StemEditor` entered afterwards edits the ids the engine serves."""
         if not self._attached:
-            self._previous = self.model.base_model.set_row_source(self.rows)
+            base = self.model.base_model
+            if base.row_source is not None:
+                raise RuntimeError(
+                    f"attach: the model's rows already come from {base.row_source!r}, which the engine would bypass; "
+                    "attach the engine first, then enter editors"
+                )
+            base.set_row_source(self.rows)
             self._attached = True
         return self
 
     def detach(self) -> None:
         """Gives the model its previous row source back. Tables freed by `free_tables=True` are rebuilt from the store
         first (exactly: an int8 store cannot rebuild them, and refuses), so the model runs and saves as before."""
+        base = self.model.base_model
+        if self._attached and base.row_source != self.rows:
+            raise RuntimeError(
+                f"detach: {base.row_source!r}, set after this engine, still serves the model's rows; leave it first"
+            )
         self._drop_plan()
         if self._worker is not None:
             self._worker.shutdown()
@@ -211,8 +222,8 @@ class StemOffloadEngine:
                 self.tables_module[str(layer)].weight = nn.Parameter(rows, requires_grad=False)
             self.freed = False
         if self._attached:
-            self.model.base_model.set_row_source(self._previous)
-            self._attached, self._previous = False, None
+            base.set_row_source(None)
+            self._attached = False
 
     def __enter__(self) -> "StemOffloadEngine":
         return self.attach()

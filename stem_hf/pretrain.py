@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast, TrainingArguments
 
 from .accounting import summarize
 from .configuration_stem import StemConfig
+from .extras import require
 from .modeling_stem import StemForCausalLM
 from .training import StemTrainer
 
@@ -161,7 +162,7 @@ def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: Pret
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

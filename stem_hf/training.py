@@ -15,6 +15,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
+from .extras import require
 from .storage_stem import TABLE_KEY
 
 logger = logging.get_logger(__name__)
@@ -307,10 +308,7 @@ def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, token_ids: I
     """A `peft.LoraConfig` for a STEM model: LoRA on `LORA_TARGETS`, and with `token_ids`, those rows of every table
     trained as deltas (PEFT's `trainable_token_indices`: the adapter stores only the rows, never a table copy).
     Other `LoraConfig` arguments pass through."""
-    try:
-        from peft import LoraConfig
-    except ImportError as error:
-        raise ImportError("lora_config needs peft, an extra of stem-hf: pip install 'stem-hf[peft]'") from error
+    LoraConfig = require("peft").LoraConfig
 
     config = model.config
     if token_ids is not None:

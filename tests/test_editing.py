@@ -176,3 +176,34 @@ def test_an_editor_over_an_offload_engine_edits_the_rows_the_engine_serves():
         stacked = model(ids).logits
     assert engine.forwards == 1 and torch.allclose(stacked, alone, atol=1e-6)
     assert model.model.row_source is None  # both left: the model's own tables again
+
+
+def test_row_sources_leave_in_the_order_they_came_and_an_editor_enters_once():
+    from stem_hf.offload import StemOffloadEngine
+
+    model = sensitive_model()
+    edit = StemEdit(source=(6, 7), target=(9, 10), strategy="pad")
+    editor, engine = StemEditor(model, [edit]), StemOffloadEngine(model)
+    with editor:
+        with pytest.raises(RuntimeError, match="attach the engine first"):
+            engine.attach()  # it would serve its own store and drop the edits
+        with pytest.raises(RuntimeError, match="already active"):
+            editor.__enter__()
+    assert model.model.row_source is None
+    engine.attach()
+    editor.__enter__()
+    with pytest.raises(RuntimeError, match="leave it first"):
+        engine.detach()  # the editor, set after it, still serves the rows
+    assert model.model.row_source is editor
+    editor.__exit__(None, None, None)
+    engine.detach()
+    assert model.model.row_source is None
+
+
+def test_mean_edits_refuse_tables_the_offload_engine_freed():
+    from stem_hf.offload import StemOffloadEngine
+
+    model = sensitive_model()
+    with StemOffloadEngine(model, free_tables=True), pytest.raises(ValueError, match="freed"):
+        with StemEditor(model, [StemEdit(source=(6,), target=(9, 10), strategy="mean")]):
+            pass

@@ -107,9 +107,12 @@ def test_model_push_to_hub_uploads_a_loadable_model_with_its_card_and_provenance
     )
     code = f"""
         from stem_hf import StemForCausalLM
-        StemForCausalLM.from_pretrained({str(tmp_path / "converted")!r}).push_to_hub("user/pushed", tags=["my-run"])
+        model = StemForCausalLM.from_pretrained({str(tmp_path / "converted")!r})
+        info = model.push_to_hub("user/pushed", tags=["my-run"])
+        print(type(info).__name__, info.oid)
     """
-    _run(code, env, tmp_path)
+    out = _run(code, env, tmp_path)
+    assert f"CommitInfo {state.commits['user/pushed'][-1]}" in out  # what transformers' push_to_hub returns
     files = state.repos["user/pushed"]
     assert CHECKPOINT_FILES | {"conversion_report.json"} <= set(files)
     card = ModelCard(files["README.md"].decode())

@@ -294,7 +294,7 @@ def test_generate_takes_stem_input_ids_for_the_prompt(use_cache):
         assert not torch.allclose(out.logits[0], model(input_ids).logits[:, -1])  # the edit reached the prompt
 
 
-def test_a_row_source_serves_every_stem_layer_and_stacks():
+def test_a_row_source_serves_every_stem_layer_and_is_handed_back():
     model = sensitive_model()
     ids = torch.randint(0, model.config.vocab_size, (2, 7))
     with torch.no_grad():

@@ -105,7 +105,7 @@ def _tokenizer(args: argparse.Namespace, vocab_size: int, text: str | None):
     then a source without a tokenizer is refused here, before the conversion loads the weights."""
     from transformers import AutoTokenizer
 
-    from .sources import _split_gguf
+    from .sources import split_gguf
 
     if args.tokenizer is not None:
         check_local(args.tokenizer)
@@ -119,7 +119,7 @@ def _tokenizer(args: argparse.Namespace, vocab_size: int, text: str | None):
                 f"{vocab_size}; it is not this model's tokenizer"
             )
         return tokenizer
-    path, extra = _split_gguf(args.source)
+    path, extra = split_gguf(args.source)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **extra)
     except (OSError, ValueError, TypeError) as error:

@@ -20,10 +20,9 @@ from .refit import refit
 from .report import ConversionReport, perplexity
 from .save import save_conversion
 from .sources import Source, check_source_and_out, open_source, stem_from_dense
-from .text import Chunks, ConversionText, chunk_texts, prefix_ids
+from .text import Chunks, ConversionText, prefix_ids
 
-# `chunk_texts` and `perplexity` stay importable from here for the notebooks and benchmarks that import them so.
-__all__ = ["ConversionPlan", "ConversionText", "chunk_texts", "convert", "perplexity", "run_conversion"]
+__all__ = ["convert", "run_conversion"]
 
 
 def convert(

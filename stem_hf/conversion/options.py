@@ -1,5 +1,4 @@
-"""What a conversion can be asked for, and the command line's defaults. Torch-free, so that `stem-hf` parses its
-arguments without loading the conversion."""
+"""What a conversion can be asked for, and the command line's defaults: one place for the CLI and the library."""
 
 INITS = ("fitted", "mean", "projected", "xavier")
 CALIBRATED_INITS = ("fitted", "mean")  # rows from calibration statistics, with a fallback for rare tokens

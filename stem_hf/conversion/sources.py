@@ -21,6 +21,7 @@ __all__ = [
     "load_source",
     "load_source_config",
     "open_source",
+    "split_gguf",
     "stem_config_from_dense",
     "stem_from_dense",
 ]
@@ -35,7 +36,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-def _split_gguf(source: str) -> tuple[str, dict]:
+def split_gguf(source: str) -> tuple[str, dict]:
     if source.endswith(".gguf"):
         if not os.path.isfile(source):
             raise FileNotFoundError(f"{source}: no such GGUF file")
@@ -44,7 +45,7 @@ def _split_gguf(source: str) -> tuple[str, dict]:
 
 
 def load_source_config(source: str) -> PreTrainedConfig:
-    path, extra = _split_gguf(source)
+    path, extra = split_gguf(source)
     return AutoConfig.from_pretrained(path, **extra)
 
 
@@ -104,7 +105,7 @@ def load_source(source: str) -> tuple[nn.Module, object | None]:
     """Returns `(dense_model, tokenizer_or_None)` in fp32 on CPU. Checks the architecture before reading any weight."""
     config = load_source_config(source)
     stem_config_from_dense(config, [])  # refuses unsupported sources early
-    path, extra = _split_gguf(source)
+    path, extra = split_gguf(source)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
     if getattr(model.config, "quantization_config", None) is not None:  # dequantized GGUF: plain fp32 weights now
         del model.config.quantization_config
