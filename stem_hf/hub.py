@@ -14,7 +14,7 @@ from transformers.utils import logging
 from transformers.utils.hub import create_and_tag_model_card
 
 from .accounting import load_config
-from .model_card import MARKER, write_model_card
+from .model_card import CARD_FILE, MARKER, write_model_card
 from .storage_stem import (
     PROVENANCE_FILES,
     SAVE_ID_KEY,
@@ -57,10 +57,10 @@ def push_checkpoint(
     # Provenance of weights saved over since describes other weights: it stays in the folder, not on the Hub.
     stale = stale_provenance(folder, PROVENANCE_FILES)
     ignore = [*IGNORE, *stale]
-    if api.file_exists(repo_id, "README.md", revision=revision):
-        card = Path(api.hf_hub_download(repo_id, "README.md", revision=revision)).read_text(encoding="utf-8")
+    if api.file_exists(repo_id, CARD_FILE, revision=revision):
+        card = Path(api.hf_hub_download(repo_id, CARD_FILE, revision=revision)).read_text(encoding="utf-8")
         if MARKER not in card:  # a person wrote or edited the card on the Hub: keep it, as push_to_hub does
-            ignore.append("README.md")
+            ignore.append(CARD_FILE)
     commit = api.upload_folder(
         repo_id=repo_id,
         folder_path=folder,
@@ -126,13 +126,13 @@ def push_model(
 
         loaded_id = getattr(model, "stem_save_id", None)
         model.save_pretrained(tmp, max_shard_size=max_shard_size)  # gives the model the pushed files' save id
-        on_hub = {name: api.file_exists(repo_id, name, revision=revision) for name in ("README.md", *PROVENANCE_FILES)}
+        on_hub = {name: api.file_exists(repo_id, name, revision=revision) for name in (CARD_FILE, *PROVENANCE_FILES)}
         _carry_provenance(model, loaded_id, tmp, fetch, on_hub)
-        if on_hub["README.md"] and revision is not None:
-            fetch("README.md")
-        elif on_hub["README.md"] or getattr(model, "_model_card_writer", None) is None:
+        if on_hub[CARD_FILE] and revision is not None:
+            fetch(CARD_FILE)
+        elif on_hub[CARD_FILE] or getattr(model, "_model_card_writer", None) is None:
             all_tags = [*(model.model_tags or []), *(tags or [])]
-            create_and_tag_model_card(repo_id, all_tags, token=token).save(os.path.join(tmp, "README.md"))
+            create_and_tag_model_card(repo_id, all_tags, token=token).save(os.path.join(tmp, CARD_FILE))
         write_card(model, tmp, repo_id, tags)
         _create_branch(api, repo_id, revision, create_pr)
         name = type(model).__name__
