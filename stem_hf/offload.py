@@ -203,8 +203,8 @@ class StemOffloadEngine:
         return self
 
     def detach(self) -> None:
-        """Gives the model its previous row source back. Tables freed by `free_tables=True` are rebuilt from the store
-        first (exactly: an int8 store cannot rebuild them, and refuses), so the model runs and saves as before."""
+        """Gives the model its own tables back as row source. Tables freed by `free_tables=True` are rebuilt from the
+        store first (exactly: an int8 store cannot rebuild them, and refuses), so the model runs and saves as before."""
         base = self.model.base_model
         if self._attached and base.row_source != self.rows:
             raise RuntimeError(

@@ -36,8 +36,8 @@ CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 TABLE_KEY = re.compile(r"(?:^|\.)stem_tables\.(\d+)\.weight$")
-TABLES_FILE = "stem-tables-{index:05d}-of-{total:05d}.safetensors"
-DENSE_FILE = "model-00001-of-00001.safetensors"
+# The tables' shards, named as transformers names the dense ones: `stem-tables[.VARIANT]-XXXXX-of-YYYYY.safetensors`.
+TABLES_NAME = "stem-tables.safetensors"
 # Every weight file of a save and its index carry this key with one fresh id: files of two saves are told apart at load.
 SAVE_ID_KEY = "stem_save_id"
 # Provenance files beside the weights, each recording the save id of the weights it describes: how they were made
@@ -407,7 +407,7 @@ def save_tables(
     save_file = _transformers_name("transformers.modeling_utils", "safe_save_file")
     weight_map = {}
     for i, names in enumerate(logging.tqdm(shards, desc="Writing STEM tables", disable=not shards), start=1):
-        file = _shard_name("stem-tables.safetensors", variant, i, len(shards))
+        file = _shard_name(TABLES_NAME, variant, i, len(shards))
         shard = {name: tables[name].detach().to(device="cpu", dtype=dtype).contiguous() for name in names}
         save_file(shard, os.path.join(folder, file), metadata=metadata)
         weight_map.update(dict.fromkeys(names, file))
@@ -1001,6 +1001,7 @@ __all__ = [
     "StemTable",
     "StemTableRows",
     "StemTables",
+    "TABLES_NAME",
     "advise_random_access",
     "check_checkpoint_files",
     "check_variant",
