@@ -1,0 +1,196 @@
+"""What `benchmarks/paper_claims.py` measures on a model while and after it trains: per-step training loss and its
+spikes, validation loss (overall and by token position), knowledge-probe recall along the way, training FLOPs, and
+the MoE's expert load. Training is `stem-hf pretrain`'s recipe (`training_arguments`) through `StemTrainer` for STEM
+models and transformers' `Trainer` for the MoE.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+import torch
+from torch import nn
+from transformers import MixtralForCausalLM, PrinterCallback, Trainer, TrainerCallback
+
+from ..accounting import flops_per_token
+from ..modeling_stem import StemForCausalLM, StemMLP, StemTableMLP
+from ..pretrain import PretrainSettings, training_arguments
+from ..training import StemTrainer
+from .measure import Probe, accuracy
+from .variants import active_parameters
+
+# The spike rule, on the loss of a fixed held-out monitor batch after every step (a training batch's loss moves with
+# what the batch holds): above (1 + SPIKE_MARGIN) times the median of the SPIKE_WINDOW steps before it.
+SPIKE_WINDOW = 25
+SPIKE_MARGIN = 0.1
+MONITOR_BLOCKS = 8
+POSITION_BUCKETS = (1, 8, 32, 64, 128, 256, 512)  # loss by position: [1, 8), [8, 32), ... (position 0 has no loss)
+
+
+def loss_spikes(losses: list[float], window: int = SPIKE_WINDOW, margin: float = SPIKE_MARGIN) -> list[int]:
+    """Indices of the steps whose loss exceeds `(1 + margin)` times the median of the `window` losses before them, or
+    is not finite. A loss that falls, however fast, never counts; one that climbs back past the running median does."""
+    spikes = []
+    for t, loss in enumerate(losses):
+        if not torch.isfinite(torch.tensor(loss)):
+            spikes.append(t)
+        elif t >= window and loss > (1 + margin) * median(losses[t - window : t]):
+            spikes.append(t)
+    return spikes
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Training blocks from a `[n, context]` tensor of token ids."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.data[i]}
+
+
+def causal_batch(examples: list[dict]) -> dict:
+    ids = torch.stack([e["input_ids"] for e in examples])
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@torch.no_grad()
+def token_losses(model: nn.Module, blocks: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+    """`[n_blocks, context - 1]` next-token losses (nats) over `blocks` of token ids: the language-model loss alone
+    (an MoE's load-balancing loss is not in it)."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(blocks), batch_size):
+        ids = blocks[start : start + batch_size].to(model.device)
+        logits = model(input_ids=ids).logits.float()
+        out.append(nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").cpu())
+    model.train(was_training)
+    return torch.cat(out)
+
+
+def loss_by_position(losses: torch.Tensor, buckets: tuple[int, ...] = POSITION_BUCKETS) -> dict[str, float]:
+    """Mean loss of the tokens at positions `[lo, hi)` for consecutive bucket edges (a position is the predicted
+    token's index in its block), as `{"lo-hi": loss}`; buckets past the blocks' length are left out."""
+    n = losses.shape[1] + 1
+    edges = [b for b in buckets if b < n] + [n]
+    return {f"{lo}-{hi}": losses[:, lo - 1 : hi - 1].mean().item() for lo, hi in zip(edges, edges[1:], strict=False)}
+
+
+@torch.no_grad()
+def expert_load(model: MixtralForCausalLM, blocks: torch.Tensor, batch_size: int = 16) -> dict:
+    """Share of the routed token slots each expert receives, per layer, over `blocks`; `max_over_mean` is the busiest
+    expert's share times the number of experts (1.0 is a perfect balance), and `idle_experts` those under a tenth of
+    the mean."""
+    config = model.config
+    counts = torch.zeros(config.num_hidden_layers, config.num_local_experts)
+    model.eval()
+    for start in range(0, len(blocks), batch_size):
+        out = model(input_ids=blocks[start : start + batch_size].to(model.device), output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):
+            chosen = logits.topk(config.num_experts_per_tok, dim=-1).indices.flatten().cpu()
+            counts[layer] += torch.bincount(chosen, minlength=config.num_local_experts).float()
+    shares = counts / counts.sum(-1, keepdim=True)
+    mean = 1 / config.num_local_experts
+    return {
+        "shares": shares.tolist(),
+        "max_over_mean": (shares.max(-1).values / mean).tolist(),
+        "idle_experts": (shares < 0.1 * mean).sum(-1).tolist(),
+    }
+
+
+def training_flops(model: nn.Module, context: int) -> int | None:
+    """Training FLOPs per token (3x the forward's: backward twice the forward) of a STEM or dense `StemForCausalLM`,
+    at the mean context of a causal block of `context` tokens; None for other models."""
+    plain = (StemMLP, StemTableMLP)
+    if not isinstance(model, StemForCausalLM) or any(type(layer.mlp) not in plain for layer in model.model.layers):
+        return None  # the ablations' FFNs cost what `flops_per_token` does not count
+    return 3 * flops_per_token(model.config, (context + 1) // 2)
+
+
+@dataclass
+class Probes:
+    """What to measure along training: every `every` steps recall on `questions` and loss on `valid` blocks; after
+    every step the loss on the first `MONITOR_BLOCKS` of them (the spike rule's curve)."""
+
+    questions: list[Probe]
+    valid: torch.Tensor
+    every: int
+
+
+class ProbeCallback(TrainerCallback):
+    """Records `(step, recall, validation loss)` every `probes.every` steps and at the end, and the monitor batch's
+    loss after every step."""
+
+    def __init__(self, model: nn.Module, probes: Probes):
+        self.model, self.probes, self.points, self.monitor = model, probes, [], []
+
+    def _probe(self, step: int) -> None:
+        was_training = self.model.training
+        self.model.eval()
+        hits = accuracy(self.model, self.probes.questions).mean().item() if self.probes.questions else None
+        self.points.append((step, hits, token_losses(self.model, self.probes.valid).mean().item()))
+        self.model.train(was_training)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.monitor.append(token_losses(self.model, self.probes.valid[:MONITOR_BLOCKS]).mean().item())
+        if state.global_step % self.probes.every == 0 or state.global_step == state.max_steps:
+            self._probe(state.global_step)
+
+
+def train_model(model: nn.Module, data, settings: PretrainSettings, out: Path, probes: Probes) -> dict:
+    """Trains `model` on `data` (blocks of `settings.context` tokens, in the order the seed fixes) with the pretrain
+    recipe at `settings.lr`, logging every step; returns the per-step losses and gradient norms, the probe points, the
+    spikes, the sizes and the training FLOPs."""
+    args = training_arguments(out, settings, eval_strategy="no", logging_steps=1, disable_tqdm=True)
+    callback = ProbeCallback(model, probes)
+    kwargs = dict(model=model, args=args, train_dataset=data, data_collator=causal_batch, callbacks=[callback])
+    trainer = StemTrainer(**kwargs) if isinstance(model, StemForCausalLM) else Trainer(**kwargs)
+    trainer.remove_callback(PrinterCallback)  # a log line per step; the caller's progress bar says where it is
+    seconds = trainer.train().metrics["train_runtime"]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    losses = [h["loss"] for h in logs]
+    tokens_per_step = settings.batch_size * settings.context
+    flops = training_flops(model, settings.context)
+    spikes = loss_spikes(callback.monitor)
+    return {
+        "lr": settings.lr,
+        "seed": settings.seed,
+        "total_params": model.num_parameters(),
+        "active_params_per_token": active_parameters(model),
+        "intermediate_size": model.config.intermediate_size,
+        "train_flops_per_token": flops,
+        "tokens_per_step": tokens_per_step,
+        "train_seconds": seconds,
+        "train_loss": losses,
+        "grad_norm": [h.get("grad_norm") for h in logs],
+        "monitor_loss": callback.monitor,
+        "spikes": spikes,
+        "spike_losses": [callback.monitor[t] for t in spikes],
+        "probes": [
+            {"step": s, "tokens": s * tokens_per_step, "recall": r, "valid_loss": v} for s, r, v in callback.points
+        ],
+        "final_valid_loss": callback.points[-1][2],
+        "final_recall": callback.points[-1][1],
+    }
+
+
+__all__ = [
+    "MONITOR_BLOCKS",
+    "POSITION_BUCKETS",
+    "SPIKE_MARGIN",
+    "SPIKE_WINDOW",
+    "ProbeCallback",
+    "Probes",
+    "TokenBlocks",
+    "causal_batch",
+    "expert_load",
+    "loss_by_position",
+    "loss_spikes",
+    "token_losses",
+    "train_model",
+    "training_flops",
+]
