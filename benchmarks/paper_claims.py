@@ -13,6 +13,7 @@ folder to train afresh). `stem_hf.lab.claims_run` does the work.
 
 import argparse
 import json
+from pathlib import Path
 
 from stem_hf.assets import corpora
 from stem_hf.lab.claims_plots import markdown, plot_claims
@@ -27,7 +28,6 @@ def compact(result: dict, every: int = 5) -> dict:
     """The runs' per-step curves thinned to every `every`-th step (the spikes keep their steps and losses)."""
     runs = [*result.get("runs", {}).values(), *result.get("long_context", {}).get("models", {}).values()]
     for run in runs:
-        run.setdefault("spike_losses", [run["monitor_loss"][t] for t in run["spikes"]])
         for key in ("train_loss", "grad_norm", "monitor_loss"):
             run[key] = [None if v is None else round(v, 4) for v in run[key][every - 1 :: every]]
         run["curve_every"] = every
@@ -45,18 +45,23 @@ def main() -> None:
     )
     args = parser.parse_args()
     out = args.out or ("runs/paper_claims_quick" if args.quick else "benchmarks/results")
+    saved_path = Path(out) / "paper_claims.json"
     if args.replot or args.markdown:
-        with open(f"{out}/paper_claims.json") as f:
-            saved = json.load(f)
-        print(markdown(saved)) if args.markdown else plot_claims(saved, f"{out}/paper_claims")
+        saved = json.loads(saved_path.read_text())
+        if args.markdown:
+            print(markdown(saved))
+        else:
+            plot_claims(saved, Path(out) / "paper_claims")
         return
     require_matplotlib()
     settings = QUICK_CLAIMS if args.quick else ClaimsSettings()
     work = "runs/paper_claims_quick" if args.quick else "runs/paper_claims"
-    result = compact(run_claims(settings, work, corpora(), args.parts))
+    result = compact(run_claims(settings, work, corpora(), tuple(args.parts)))
+    if set(args.parts) != set(PARTS) and saved_path.exists():  # a partial run keeps the other parts' results
+        result = {**json.loads(saved_path.read_text()), **result}
     result["command"] = "python benchmarks/paper_claims.py" + (" --quick" if args.quick else "")
-    plot_claims(result, f"{out}/paper_claims")
-    write_json(result, f"{out}/paper_claims.json")
+    plot_claims(result, Path(out) / "paper_claims")
+    write_json(result, saved_path)
     print(markdown(result))
 
 

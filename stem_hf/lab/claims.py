@@ -1,16 +1,17 @@
-"""What `benchmarks/paper_claims.py` measures on a model while and after it trains: per-step training loss and its
-spikes, validation loss (overall and by token position), knowledge-probe recall along the way, training FLOPs, and
-the MoE's expert load. Training is `stem-hf pretrain`'s recipe (`training_arguments`) through `StemTrainer` for STEM
-models and transformers' `Trainer` for the MoE.
+"""What `benchmarks/paper_claims.py` measures on a model while and after it trains: per-step training loss, the loss
+of a fixed monitor batch after every step and its spikes, validation loss (overall and by token position),
+knowledge-probe recall along the way, training FLOPs, and the MoE's expert load. Every model, the MoE included, trains
+with `stem-hf pretrain`'s recipe (`training_arguments`) through `StemTrainer`.
 """
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
 import torch
 from torch import nn
-from transformers import MixtralForCausalLM, PrinterCallback, Trainer, TrainerCallback
+from transformers import MixtralForCausalLM, PrinterCallback, TrainerCallback
 
 from ..accounting import flops_per_token
 from ..modeling_stem import StemForCausalLM, StemMLP, StemTableMLP
@@ -19,11 +20,11 @@ from ..training import StemTrainer
 from .measure import Probe, accuracy
 from .variants import active_parameters
 
-# The spike rule, on the loss of a fixed held-out monitor batch after every step (a training batch's loss moves with
-# what the batch holds): above (1 + SPIKE_MARGIN) times the median of the SPIKE_WINDOW steps before it.
+# The spike rule, on the loss of a fixed monitor batch after every step (a training batch's loss moves with what the
+# batch holds): above (1 + SPIKE_MARGIN) times the median of the SPIKE_WINDOW steps before it.
 SPIKE_WINDOW = 25
 SPIKE_MARGIN = 0.1
-MONITOR_BLOCKS = 8
+MONITOR_BLOCKS = 4  # from each validation set
 POSITION_BUCKETS = (1, 8, 32, 64, 128, 256, 512)  # loss by position: [1, 8), [8, 32), ... (position 0 has no loss)
 
 
@@ -50,6 +51,16 @@ class TokenBlocks(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.data[i]}
+
+
+def token_blocks(tokenizer, texts: list[str], context: int, limit: int | None = None) -> torch.Tensor:
+    """`[n, context]` token ids of `texts` joined with EOS (at most `limit` blocks; the tail that fills no block is
+    dropped)."""
+    ids = [i for doc in tokenizer(texts, add_special_tokens=False)["input_ids"] for i in (*doc, tokenizer.eos_token_id)]
+    n = len(ids) // context if limit is None else min(limit, len(ids) // context)
+    if n == 0:
+        raise ValueError(f"claims: {len(ids)} tokens do not fill one block of {context}")
+    return torch.tensor(ids[: n * context]).view(n, context)
 
 
 def causal_batch(examples: list[dict]) -> dict:
@@ -87,12 +98,14 @@ def expert_load(model: MixtralForCausalLM, blocks: torch.Tensor, batch_size: int
     the mean."""
     config = model.config
     counts = torch.zeros(config.num_hidden_layers, config.num_local_experts)
+    was_training = model.training
     model.eval()
     for start in range(0, len(blocks), batch_size):
         out = model(input_ids=blocks[start : start + batch_size].to(model.device), output_router_logits=True)
         for layer, logits in enumerate(out.router_logits):
             chosen = logits.topk(config.num_experts_per_tok, dim=-1).indices.flatten().cpu()
             counts[layer] += torch.bincount(chosen, minlength=config.num_local_experts).float()
+    model.train(was_training)
     shares = counts / counts.sum(-1, keepdim=True)
     mean = 1 / config.num_local_experts
     return {
@@ -113,68 +126,80 @@ def training_flops(model: nn.Module, context: int) -> int | None:
 
 @dataclass
 class Probes:
-    """What to measure along training: every `every` steps recall on `questions` and loss on `valid` blocks; after
-    every step the loss on the first `MONITOR_BLOCKS` of them (the spike rule's curve)."""
+    """What to measure along training: before it and every `every` steps, recall on `questions` and the loss on each
+    named set of `valid` blocks; after every step the loss on the first `MONITOR_BLOCKS` of each set (the monitor
+    batch, the spike rule's curve)."""
 
     questions: list[Probe]
-    valid: torch.Tensor
+    valid: dict[str, torch.Tensor]
     every: int
+
+    @property
+    def monitor(self) -> torch.Tensor:
+        return torch.cat([blocks[:MONITOR_BLOCKS] for blocks in self.valid.values()])
 
 
 class ProbeCallback(TrainerCallback):
-    """Records `(step, recall, validation loss)` every `probes.every` steps and at the end, and the monitor batch's
-    loss after every step."""
+    """Records `{"step", "recall", "loss": {set: loss}}` before training, every `probes.every` steps and at the end,
+    the monitor batch's loss after every step, and the seconds all this takes (not training's)."""
 
     def __init__(self, model: nn.Module, probes: Probes):
-        self.model, self.probes, self.points, self.monitor = model, probes, [], []
+        self.model, self.probes, self.points, self.monitor, self.seconds = model, probes, [], [], 0.0
+        self._monitor = probes.monitor
 
     def _probe(self, step: int) -> None:
-        was_training = self.model.training
-        self.model.eval()
         hits = accuracy(self.model, self.probes.questions).mean().item() if self.probes.questions else None
-        self.points.append((step, hits, token_losses(self.model, self.probes.valid).mean().item()))
-        self.model.train(was_training)
+        loss = {name: token_losses(self.model, blocks).mean().item() for name, blocks in self.probes.valid.items()}
+        self.points.append({"step": step, "recall": hits, "loss": loss})
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        start = time.perf_counter()
+        self._probe(0)
+        self.seconds += time.perf_counter() - start
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.monitor.append(token_losses(self.model, self.probes.valid[:MONITOR_BLOCKS]).mean().item())
+        start = time.perf_counter()
+        self.monitor.append(token_losses(self.model, self._monitor).mean().item())
         if state.global_step % self.probes.every == 0 or state.global_step == state.max_steps:
             self._probe(state.global_step)
+        self.seconds += time.perf_counter() - start
 
 
-def train_model(model: nn.Module, data, settings: PretrainSettings, out: Path, probes: Probes) -> dict:
+def train_model(
+    model: nn.Module, data: torch.utils.data.Dataset, settings: PretrainSettings, out: Path, probes: Probes
+) -> dict:
     """Trains `model` on `data` (blocks of `settings.context` tokens, in the order the seed fixes) with the pretrain
-    recipe at `settings.lr`, logging every step; returns the per-step losses and gradient norms, the probe points, the
-    spikes, the sizes and the training FLOPs."""
+    recipe through `StemTrainer` (tables undecayed at `settings.table_lr`; for a model without tables it is AdamW over
+    the same groups), logging every step; returns the per-step losses (an MoE's include its load-balancing loss) and
+    gradient norms, the monitor curve, the probe points, the sizes and the training FLOPs."""
     args = training_arguments(out, settings, eval_strategy="no", logging_steps=1, disable_tqdm=True)
     callback = ProbeCallback(model, probes)
-    kwargs = dict(model=model, args=args, train_dataset=data, data_collator=causal_batch, callbacks=[callback])
-    trainer = StemTrainer(**kwargs) if isinstance(model, StemForCausalLM) else Trainer(**kwargs)
+    trainer = StemTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=causal_batch,
+        callbacks=[callback],
+        table_lr=settings.table_lr,
+    )
     trainer.remove_callback(PrinterCallback)  # a log line per step; the caller's progress bar says where it is
     seconds = trainer.train().metrics["train_runtime"]
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    losses = [h["loss"] for h in logs]
     tokens_per_step = settings.batch_size * settings.context
-    flops = training_flops(model, settings.context)
-    spikes = loss_spikes(callback.monitor)
     return {
         "lr": settings.lr,
         "seed": settings.seed,
         "total_params": model.num_parameters(),
         "active_params_per_token": active_parameters(model),
         "intermediate_size": model.config.intermediate_size,
-        "train_flops_per_token": flops,
+        "train_flops_per_token": training_flops(model, settings.context),
         "tokens_per_step": tokens_per_step,
-        "train_seconds": seconds,
-        "train_loss": losses,
+        "train_seconds": seconds - callback.seconds,  # the probes and the monitor left out
+        "probe_seconds": callback.seconds,
+        "train_loss": [h["loss"] for h in logs],
         "grad_norm": [h.get("grad_norm") for h in logs],
         "monitor_loss": callback.monitor,
-        "spikes": spikes,
-        "spike_losses": [callback.monitor[t] for t in spikes],
-        "probes": [
-            {"step": s, "tokens": s * tokens_per_step, "recall": r, "valid_loss": v} for s, r, v in callback.points
-        ],
-        "final_valid_loss": callback.points[-1][2],
-        "final_recall": callback.points[-1][1],
+        "probes": [{**p, "tokens": p["step"] * tokens_per_step} for p in callback.points],
     }
 
 
@@ -187,6 +212,7 @@ __all__ = [
     "Probes",
     "TokenBlocks",
     "causal_batch",
+    "token_blocks",
     "expert_load",
     "loss_by_position",
     "loss_spikes",

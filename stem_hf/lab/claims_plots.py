@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from .plots import _plt
+from .plots import pyplot
 
 COLORS = {"dense": "tab:blue", "STEM-1/2": "tab:orange", "STEM-full": "tab:red", "MoE": "tab:green"}
 
@@ -28,30 +28,40 @@ def _table(*header) -> list[str]:
 
 
 def _stability_lines(result: dict) -> list[str]:
-    lines = _table("learning rate", "model", "seeds", "final validation loss", "probe recall", "spikes per seed",
-                   "diverged", "MoE busiest expert / mean")  # fmt: skip
+    lines = _table("learning rate", "model", "seeds", "held-out text loss", "facts loss", "probe recall",
+                   "spikes per seed", "diverged", "MoE busiest expert / mean")  # fmt: skip
     for lr, models in result["stability"].items():
         for name, r in models.items():
             load = _pm(r["expert_max_over_mean"], 2) if "expert_max_over_mean" in r else ""
-            lines.append(_row(lr, name, r["final_valid_loss"]["n"], _pm(r["final_valid_loss"]), _pm(r["final_recall"]),
+            losses = _pm(r["final_text_loss"]), _pm(r["final_facts_loss"])
+            lines.append(_row(lr, name, r["final_recall"]["n"], *losses, _pm(r["final_recall"]),
                               " / ".join(map(str, r["spikes"])), sum(r["diverged"]), load))  # fmt: skip
     return lines
 
 
+ROI_COLUMNS = {
+    "dense_flops_over_stem_to_recall_0.5": "recall 0.5",
+    "dense_flops_over_stem_to_recall_0.9": "recall 0.9",
+    "dense_flops_over_stem_to_dense_final_facts_loss": "dense's final facts loss",
+    "dense_flops_over_stem_to_dense_final_text_loss": "dense's final text loss",
+}
+
+
 def _roi_lines(result: dict) -> list[str]:
-    keys = [k for k in next(iter(result["roi"].values())) if k.startswith("dense_flops_to")]
-    lines = _table("model", "training FLOPs / dense", "ROI (recall per FLOP / dense's)",
-                   *(f"dense FLOPs / STEM FLOPs to recall {k.split('_')[3]}" for k in keys))  # fmt: skip
+    lines = _table("model", "training FLOPs / dense", "ROI: recall per FLOP / dense's",
+                   *(f"dense FLOPs / STEM FLOPs to {v}" for v in ROI_COLUMNS.values()))  # fmt: skip
     for name, r in result["roi"].items():
-        lines.append(_row(name, _f(r["flops_ratio"]["mean"], 3), _pm(r["roi"]), *(_pm(r[k], 2) for k in keys)))
+        lines.append(_row(name, _f(r["flops_ratio"]["mean"], 3), _pm(r["roi"]), *(_pm(r[k], 2) for k in ROI_COLUMNS)))
     return lines
 
 
 def _ablation_lines(result: dict) -> list[str]:
-    lines = _table("model", "FFN width", "active params", "total params", "final validation loss", "probe recall")
+    lines = _table("model", "FFN width", "active params", "total params", "held-out text loss", "facts loss",
+                   "probe recall")  # fmt: skip
     for name, r in result["ablations"].items():
         sizes = f"{r['active_params_per_token'] / 1e3:.0f}k", f"{r['total_params'] / 1e6:.2f}M"
-        lines.append(_row(name, r["intermediate_size"], *sizes, _pm(r["final_valid_loss"]), _pm(r["final_recall"])))
+        losses = _pm(r["final_text_loss"]), _pm(r["final_facts_loss"])
+        lines.append(_row(name, r["intermediate_size"], *sizes, *losses, _pm(r["final_recall"])))
     return lines
 
 
@@ -84,9 +94,10 @@ def _curve(run: dict, key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_stability(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     lrs = list(result["stability"])
-    fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.6))
+    fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.6), squeeze=False)
+    axes = axes[0]
     for ax, lr in zip(axes, lrs, strict=True):
         for name in result["stability"][lr]:
             run = result["runs"][f"{name} lr={lr} seed={result['settings']['seeds'][0]}"]
@@ -105,21 +116,24 @@ def plot_stability(result: dict, path: Path) -> None:
 
 
 def plot_roi(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     lr, seeds = list(result["stability"])[0], result["settings"]["seeds"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    measures = (lambda p: p["recall"], lambda p: p["loss"]["facts"], lambda p: p["loss"]["text"])
     for name in ("dense", "STEM-1/2", "STEM-full"):
         runs = [result["runs"][f"{name} lr={lr} seed={s}"] for s in seeds]
         flops = [p["tokens"] * runs[0]["train_flops_per_token"] for p in runs[0]["probes"]]
-        for ax, key in zip(axes, ("recall", "valid_loss"), strict=True):
-            values = [[p[key] for p in r["probes"]] for r in runs]
+        for ax, measure in zip(axes, measures, strict=True):
+            values = [[measure(p) for p in r["probes"]] for r in runs]
             mid = [sum(v) / len(v) for v in zip(*values, strict=True)]
             lo, hi = [min(v) for v in zip(*values, strict=True)], [max(v) for v in zip(*values, strict=True)]
             ax.plot(flops, mid, color=COLORS[name], label=f"{name} (mean of {len(seeds)} seeds; band: min-max)")
             ax.fill_between(flops, lo, hi, color=COLORS[name], alpha=0.2)
     axes[0].set_ylabel("knowledge-probe recall (trained templates)")
-    axes[1].set_ylabel("held-out validation loss")
-    axes[1].set_ylim(top=min(4.0, axes[1].get_ylim()[1]))
+    axes[1].set_ylabel("loss on fresh documents of the facts")
+    axes[2].set_ylabel("loss on held-out general text")
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
     for ax in axes:
         ax.set_xlabel("training FLOPs")
         ax.grid(alpha=0.3)
@@ -130,24 +144,25 @@ def plot_roi(result: dict, path: Path) -> None:
 
 
 def plot_ablations(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     table = result["ablations"]
     names = list(table)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, key, label in zip(axes, ("final_valid_loss", "final_recall"), ("validation loss", "probe recall"),
-                              strict=True):  # fmt: skip
+    keys = {"final_text_loss": "held-out text loss", "final_facts_loss": "facts loss", "final_recall": "probe recall"}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    for ax, (key, label) in zip(axes, keys.items(), strict=True):
         ax.bar(range(len(names)), [table[n][key]["mean"] for n in names], color="tab:gray")
-        ax.set_xticks(range(len(names)), [n.replace("table ", "table\n") for n in names], fontsize=8)
+        ax.set_xticks(range(len(names)), [n.replace("table ", "").replace(" the ", "\n") for n in names], fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
-    axes[0].set_ylim(bottom=min(table[n]["final_valid_loss"]["mean"] for n in names) * 0.9)
+        if key != "final_recall":
+            ax.set_ylim(bottom=min(table[n][key]["mean"] for n in names) * 0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def plot_long_context(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     lc = result["long_context"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, run in lc["models"].items():
@@ -176,11 +191,11 @@ def plot_long_context(result: dict, path: Path) -> None:
 
 
 def plot_expert_load(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     seed = result["settings"]["seeds"][0]
     loads = {lr: result["runs"][f"MoE lr={lr} seed={seed}"]["expert_load"]["shares"] for lr in result["stability"]}
-    fig, axes = plt.subplots(1, len(loads), figsize=(3.6 * len(loads), 2.8))
-    for ax, (lr, shares) in zip(axes, loads.items(), strict=True):
+    fig, axes = plt.subplots(1, len(loads), figsize=(3.6 * len(loads), 2.8), squeeze=False)
+    for ax, (lr, shares) in zip(axes[0], loads.items(), strict=True):
         image = ax.imshow(shares, vmin=0, vmax=max(max(s) for s in shares), cmap="viridis", aspect="auto")
         ax.set_title(f"MoE expert load, lr {lr}", fontsize=9)
         ax.set_xlabel("expert")

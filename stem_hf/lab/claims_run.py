@@ -15,11 +15,13 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import mean, stdev
 
 import torch
+import transformers
 from tqdm import tqdm
 from transformers import MixtralForCausalLM
 
@@ -27,7 +29,16 @@ from ..analysis import activated_parameters
 from ..modeling_stem import StemForCausalLM
 from ..pretrain import configs as pretrain_configs
 from ..pretrain import train_tokenizer
-from .claims import Probes, TokenBlocks, expert_load, loss_by_position, token_losses, train_model
+from .claims import (
+    Probes,
+    TokenBlocks,
+    expert_load,
+    loss_by_position,
+    loss_spikes,
+    token_blocks,
+    token_losses,
+    train_model,
+)
 from .corpus import build_tokenizer, make_world
 from .measure import probes
 from .run import write_json
@@ -44,7 +55,8 @@ class ClaimsSettings:
 
     lab: LabSettings = field(default_factory=LabSettings)
     seeds: tuple[int, ...] = (0, 1, 2)
-    lrs: tuple[float, ...] = (3e-3, 3e-2, 1e-1)  # the lab's rate first
+    lrs: tuple[float, ...] = (3e-3, 3e-2, 1e-1)  # the lab's rate first: every seed there
+    other_lr_seeds: int = 2  # the first seeds at the other rates
     ablation_seeds: int = 1
     probe_every: int = 100
     valid_blocks: int = 128
@@ -58,6 +70,7 @@ QUICK_CLAIMS = ClaimsSettings(
     lab=LabSettings(people=16, steps=12, batch_size=4, general_words=200, general_share=0.1, warmup=0.1),
     seeds=(0, 1),
     lrs=(3e-3, 3e-2),
+    other_lr_seeds=1,
     probe_every=4,
     valid_blocks=8,
     long_context=64,
@@ -67,15 +80,21 @@ QUICK_CLAIMS = ClaimsSettings(
 )
 
 
+# Part of every run's cache key: bump it when a change to the training or the measures changes a run's result.
+RUNS_VERSION = 2
+
+
 class RunCache:
-    """Trained runs' results as `folder/<key>.json`, keyed by the run's name and its settings."""
+    """Trained runs' results as `folder/<key>-<stamp>.json`; the stamp hashes the key, the settings the run depends on,
+    `RUNS_VERSION` and the transformers version, so that a run is reused only where it would come out the same."""
 
     def __init__(self, folder: Path):
         self.folder, self.used = folder, {}
         folder.mkdir(parents=True, exist_ok=True)
 
-    def get(self, key: str, settings: dict, train) -> dict:
-        stamp = hashlib.sha1(json.dumps([key, settings], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    def get(self, key: str, settings: dict, train: Callable[[], dict]) -> dict:
+        stamp = [key, settings, RUNS_VERSION, transformers.__version__]
+        stamp = hashlib.sha1(json.dumps(stamp, sort_keys=True, default=str).encode()).hexdigest()[:12]
         path = self.folder / f"{key.replace('/', '_').replace(' ', '_')}-{stamp}.json"
         if path.exists():
             result = json.loads(path.read_text())
@@ -88,7 +107,7 @@ class RunCache:
         return result
 
 
-def _model(name: str, lab: dict, seed: int):
+def _model(name: str, lab: dict, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     if name == "MoE":
         return MixtralForCausalLM(moe_config(lab["dense"]))
@@ -99,20 +118,25 @@ def _model(name: str, lab: dict, seed: int):
 
 
 class LabClaims:
-    """The lab's world (one, seed 0, for every seed: seeds change initialization and data order), its tokenizer, the
-    held-out validation blocks and the knowledge probes, and the runs trained on them."""
+    """The lab's world (one, seed 0, for every seed: a seed draws the initialization and the training documents, the
+    facts stay), its tokenizer, the knowledge probes, the validation sets and the runs trained on them.
+
+    Validation has two sets: `text`, held-out general text (documents no training block comes from), and `facts`,
+    fresh documents of the world without general text (new orders and template draws of the facts the models are
+    meant to learn: a measure of learning the world, not of generalization)."""
 
     def __init__(self, settings: ClaimsSettings, out: Path, texts: dict[str, list[str]], cache: RunCache):
         self.settings, self.out, self.texts, self.cache = settings, out, texts, cache
         lab = settings.lab
         self.world = make_world(lab.people, seed=0)
         self.tokenizer = build_tokenizer(self.world, texts["calibration"], lab.general_words)
-        valid = replace(lab, seed=10_000, steps=max(1, settings.valid_blocks // lab.batch_size))
-        self.probes = Probes(
-            probes(self.world, self.tokenizer, "person", "train"),
-            Blocks(self.world, self.tokenizer, texts["heldout"], valid).data[: settings.valid_blocks],
-            settings.probe_every,
-        )
+        n = settings.valid_blocks // 2
+        facts = replace(lab, seed=10_000, steps=max(1, n // lab.batch_size), general_share=0.0)
+        valid = {
+            "text": token_blocks(self.tokenizer, texts["heldout"], lab.context, n),
+            "facts": Blocks(self.world, self.tokenizer, [], facts).data[:n],
+        }
+        self.probes = Probes(probes(self.world, self.tokenizer, "person", "train"), valid, settings.probe_every)
         self.configs = lab_configs(lab, len(self.tokenizer))
         self._data: dict[int, Blocks] = {}
 
@@ -129,11 +153,22 @@ class LabClaims:
             model = _model(name, self.configs, seed)
             result = train_model(model, self.data(seed), lab, self.out / "trainer", self.probes)
             if isinstance(model, MixtralForCausalLM):
-                result["expert_load"] = expert_load(model, self.probes.valid)
+                result["expert_load"] = expert_load(model, torch.cat(list(self.probes.valid.values())))
             return result
 
         key = f"{name} lr={lr:g} seed={seed}"
-        return self.cache.get(key, {"lab": asdict(lab), "claims": asdict(self.settings)}, train)
+        depends = {"lab": asdict(lab), "valid_blocks": self.settings.valid_blocks, "every": self.settings.probe_every}
+        return with_spikes(self.cache.get(key, depends, train))
+
+
+def with_spikes(run: dict) -> dict:
+    """`run` with the spike rule applied to its monitor curve (computed here, so a new rule needs no retraining) and
+    its final recall and losses."""
+    run["spikes"] = loss_spikes(run["monitor_loss"])
+    run["spike_losses"] = [run["monitor_loss"][t] for t in run["spikes"]]
+    run["final_recall"] = run["probes"][-1]["recall"]
+    run["final_loss"] = run["probes"][-1]["loss"]
+    return run
 
 
 def _stats(values: list[float | None]) -> dict:
@@ -142,15 +177,18 @@ def _stats(values: list[float | None]) -> dict:
     return {"mean": mean(values) if values else None, "std": spread, "n": len(values), "values": values}
 
 
+def diverged(run: dict, factor: float = 1.2) -> bool:
+    """The run ended with a non-finite validation loss, or above `factor` times the best it reached."""
+    losses = [sum(p["loss"].values()) for p in run["probes"]]
+    return not all(math.isfinite(v) for v in losses) or losses[-1] > factor * min(losses)
+
+
 def _stability_row(runs: list[dict]) -> dict:
     row = {
-        "final_valid_loss": _stats([r["final_valid_loss"] for r in runs]),
+        **{f"final_{k}_loss": _stats([r["final_loss"][k] for r in runs]) for k in runs[0]["final_loss"]},
         "final_recall": _stats([r["final_recall"] for r in runs]),
         "spikes": [len(r["spikes"]) for r in runs],
-        "diverged": [
-            not math.isfinite(r["final_valid_loss"]) or r["final_valid_loss"] > r["probes"][0]["valid_loss"]
-            for r in runs
-        ],  # fmt: skip
+        "diverged": [diverged(r) for r in runs],
         "active_params_per_token": runs[0]["active_params_per_token"],
         "total_params": runs[0]["total_params"],
         "train_seconds": _stats([r["train_seconds"] for r in runs]),
@@ -166,7 +204,7 @@ def stability(claims: LabClaims, bar: tqdm) -> tuple[dict, dict]:
     s = claims.settings
     table, runs = {}, {}
     for lr in s.lrs:
-        seeds = s.seeds if lr == s.lrs[0] else s.seeds[:1]
+        seeds = s.seeds if lr == s.lrs[0] else s.seeds[: s.other_lr_seeds]
         table[f"{lr:g}"] = {}
         for name in HEADLINE:
             done = []
@@ -179,34 +217,37 @@ def stability(claims: LabClaims, bar: tqdm) -> tuple[dict, dict]:
     return table, runs
 
 
-def _flops_to_reach(run: dict, target: float) -> float | None:
-    """Training FLOPs at which the probe recall first reaches `target` (linear between probe points)."""
-    points = [(p["tokens"] * run["train_flops_per_token"], p["recall"]) for p in run["probes"]]
-    for (f0, r0), (f1, r1) in zip([(0.0, 0.0), *points], points, strict=False):
-        if r1 >= target:
-            return f0 + (f1 - f0) * (target - r0) / (r1 - r0) if r1 > r0 else f1
+def flops_to_reach(run: dict, target: float, measure: str = "recall") -> float | None:
+    """Training FLOPs at which the probes first reach `target`: recall at or above it (`measure="recall"`), or a loss
+    of the named validation set at or below it; linear between probe points (the first is before training)."""
+    sign = 1.0 if measure == "recall" else -1.0
+    value = (lambda p: p["recall"]) if measure == "recall" else (lambda p: p["loss"][measure])
+    points = [(p["tokens"] * run["train_flops_per_token"], sign * value(p)) for p in run["probes"]]
+    goal = sign * target
+    for (f0, v0), (f1, v1) in zip(points, points[1:], strict=False):
+        if v1 >= goal:
+            return f0 + (f1 - f0) * (goal - v0) / (v1 - v0) if v0 < goal else f0
     return None
 
 
 def roi(runs: dict, settings: ClaimsSettings, targets: tuple[float, ...] = (0.5, 0.9)) -> dict:
-    """Recall per training FLOP against dense's (the paper's ROI), and the training FLOPs to reach each recall
-    target, at the lab's rate, per seed; STEM-1/2 and STEM-full."""
+    """At the lab's rate, per seed, for STEM-1/2 and STEM-full against dense: recall per training FLOP over dense's
+    (the paper's ROI), dense's training FLOPs over STEM's to reach each recall target, and to reach dense's own final
+    loss on each validation set."""
     lr = settings.lrs[0]
-    dense = {seed: runs[("dense", lr, seed)] for seed in settings.seeds}
     result = {}
     for name in ("STEM-1/2", "STEM-full"):
-        per_seed = {"roi": [], "flops_ratio": [], **{f"dense_flops_to_{t:g}_over_stem": [] for t in targets}}
+        per_seed: dict[str, list] = {"roi": [], "flops_ratio": []}
         for seed in settings.seeds:
-            d, s = dense[seed], runs[(name, lr, seed)]
+            d, s = runs[("dense", lr, seed)], runs[(name, lr, seed)]
             per_seed["flops_ratio"].append(s["train_flops_per_token"] / d["train_flops_per_token"])
-            per_seed["roi"].append(
-                (s["final_recall"] / s["train_flops_per_token"]) / (d["final_recall"] / d["train_flops_per_token"])
-                if d["final_recall"]
-                else None
-            )
-            for t in targets:
-                fd, fs = _flops_to_reach(d, t), _flops_to_reach(s, t)
-                per_seed[f"dense_flops_to_{t:g}_over_stem"].append(fd / fs if fd and fs else None)
+            per_unit = [r["final_recall"] / r["train_flops_per_token"] for r in (s, d)]
+            per_seed["roi"].append(per_unit[0] / per_unit[1] if per_unit[1] else None)
+            goals = [(f"recall_{t:g}", t, "recall") for t in targets]
+            goals += [(f"dense_final_{k}_loss", v, k) for k, v in d["final_loss"].items()]
+            for label, target, measure in goals:
+                fd, fs = flops_to_reach(d, target, measure), flops_to_reach(s, target, measure)
+                per_seed.setdefault(f"dense_flops_over_stem_to_{label}", []).append(fd / fs if fd and fs else None)
         result[name] = {k: _stats(v) for k, v in per_seed.items()}
     return result
 
@@ -235,12 +276,8 @@ def long_context(settings: ClaimsSettings, out: Path, texts: dict[str, list[str]
     )
     tokenizer = train_tokenizer(texts["calibration"], settings.long_vocab_size)
 
-    def cut(split: str, limit: int | None = None) -> torch.Tensor:
-        ids = [i for doc in tokenizer(texts[split])["input_ids"] for i in (*doc, tokenizer.eos_token_id)]
-        n = len(ids) // lab.context if limit is None else limit
-        return torch.tensor(ids[: n * lab.context]).view(-1, lab.context)
-
-    train, valid = cut("calibration"), cut("heldout", settings.long_valid_blocks)
+    train = token_blocks(tokenizer, texts["calibration"], lab.context)
+    valid = token_blocks(tokenizer, texts["heldout"], lab.context, settings.long_valid_blocks)
     dense, stem = pretrain_configs(replace(lab, stem_layers="full"), len(tokenizer))
     result = {"context": lab.context, "train_tokens": lab.steps * lab.batch_size * lab.context, "models": {}}
     for name, config in (("dense", dense), ("STEM-full", stem)):
@@ -249,12 +286,14 @@ def long_context(settings: ClaimsSettings, out: Path, texts: dict[str, list[str]
         def run(config=config) -> dict:
             torch.manual_seed(lab.seed)
             model = StemForCausalLM(config)
-            r = train_model(model, TokenBlocks(train), lab, out / "trainer", Probes([], valid, settings.probe_every))
+            probes = Probes([], {"text": valid}, settings.probe_every)
+            r = train_model(model, TokenBlocks(train), lab, out / "trainer", probes)
             r["loss_by_position"] = loss_by_position(token_losses(model, valid))
             return r
 
         key = f"{name} context={lab.context}"
-        result["models"][name] = cache.get(key, {"lab": asdict(lab), "claims": asdict(settings)}, run)
+        depends = {"lab": asdict(lab), "vocab": settings.long_vocab_size, "valid": settings.long_valid_blocks}
+        result["models"][name] = with_spikes(cache.get(key, depends, run))
         bar.update()
     rows = len(stem.stem_layers) * stem.intermediate_size
     lengths = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024) if n <= lab.context]
@@ -267,13 +306,15 @@ def long_context(settings: ClaimsSettings, out: Path, texts: dict[str, list[str]
     return result
 
 
-def run_claims(settings: ClaimsSettings, out: str | Path, texts: dict[str, list[str]], parts=None) -> dict:
+def run_claims(
+    settings: ClaimsSettings, out: str | Path, texts: dict[str, list[str]], parts: tuple[str, ...] | None = None
+) -> dict:
     """Runs the `parts` (default all: stability, which gives the ROI too, ablations, long_context) and returns their
     results."""
     parts = parts or ("stability", "ablations", "long_context")
     out = Path(out)
     start = time.perf_counter()
-    n_stability = len(HEADLINE) * (len(settings.seeds) + len(settings.lrs) - 1)
+    n_stability = len(HEADLINE) * (len(settings.seeds) + settings.other_lr_seeds * (len(settings.lrs) - 1))
     total = n_stability * bool("stability" in parts)
     total += len(ABLATED) * settings.ablation_seeds * ("ablations" in parts) + 2 * ("long_context" in parts)
     result = {"settings": asdict(settings)}
@@ -295,4 +336,20 @@ def run_claims(settings: ClaimsSettings, out: str | Path, texts: dict[str, list[
     return result
 
 
-__all__ = ["ABLATED", "HEADLINE", "QUICK_CLAIMS", "ClaimsSettings", "LabClaims", "RunCache", "run_claims"]
+__all__ = [
+    "ABLATED",
+    "HEADLINE",
+    "QUICK_CLAIMS",
+    "RUNS_VERSION",
+    "ClaimsSettings",
+    "LabClaims",
+    "RunCache",
+    "ablations",
+    "diverged",
+    "flops_to_reach",
+    "long_context",
+    "roi",
+    "run_claims",
+    "stability",
+    "with_spikes",
+]

@@ -12,7 +12,7 @@ def require_matplotlib() -> None:
         raise ImportError("lab: the plots need matplotlib (pip install 'stem-hf[demo]')")
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,7 +22,7 @@ def _plt():
 
 
 def plot_recall(runs: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     names = list(runs)
     bars = [("people, trained templates", "person_train"), ("people, held-out templates", "person_heldout"),
             ("countries, trained templates", "country_train")]  # fmt: skip
@@ -42,7 +42,7 @@ def plot_recall(runs: dict, path: Path) -> None:
 
 
 def plot_capacity(curve: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for name, points in curve.items():
         people = [p["people"] for p in points]
@@ -63,7 +63,7 @@ def plot_capacity(curve: dict, path: Path) -> None:
 
 def plot_edits(runs: dict, path: Path) -> None:
     """Efficacy, generalization and locality of each edit method and strategy, one panel per run."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.6 * len(runs)), squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs.items(), strict=True):
         methods = run["edits"]["methods"]
@@ -82,7 +82,7 @@ def plot_edits(runs: dict, path: Path) -> None:
 
 
 def plot_localization(runs: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     places = list(dict.fromkeys(k for run in runs.values() for k in run["localization"] if k != "people"))
     places = [p for p in places if not p.startswith("layer_")] + sorted(
         (p for p in places if p.startswith("layer_")), key=lambda p: int(p.split("_")[1])
@@ -105,7 +105,7 @@ def plot_localization(runs: dict, path: Path) -> None:
 
 
 def plot_loss(runs: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, run in runs.items():
         tokens, loss = zip(*run["train_loss"], strict=True)
@@ -144,6 +144,7 @@ def plot_all(result: dict, folder: str | os.PathLike) -> list[Path]:
 
 
 __all__ = [
+    "pyplot",
     "require_matplotlib",
     "plot_all",
     "plot_capacity",
