@@ -2,8 +2,9 @@
 rates, training ROI (knowledge-probe recall per training FLOP) over three seeds, the ablations of where the table
 sits, and long context (loss by position, activated table parameters against context length).
 
-    .venv/bin/python benchmarks/paper_claims.py             # JSON in benchmarks/results/paper_claims.json, PNGs in
-                                                            # benchmarks/results/paper_claims/; about 50 min
+    .venv/bin/python benchmarks/paper_claims.py             # JSON in benchmarks/results/paper_claims.json, PNGs and
+                                                            # the runs' curves in benchmarks/results/paper_claims/;
+                                                            # about 75 min
     .venv/bin/python benchmarks/paper_claims.py --quick     # the test size, to try it (results in runs/)
     .venv/bin/python benchmarks/paper_claims.py --markdown  # the tables benchmarks/README.md quotes
 
@@ -22,6 +23,7 @@ from stem_hf.lab.plots import require_matplotlib
 from stem_hf.lab.run import write_json
 
 PARTS = ("stability", "ablations", "long_context")  # the ROI comes with the stability runs
+CURVES = ("train_loss", "grad_norm", "monitor_loss", "spike_losses", "probes")  # per run, for the plots only
 
 
 def compact(result: dict, every: int = 5) -> dict:
@@ -31,6 +33,23 @@ def compact(result: dict, every: int = 5) -> dict:
         for key in ("train_loss", "grad_norm", "monitor_loss"):
             run[key] = [None if v is None else round(v, 4) for v in run[key][every - 1 :: every]]
         run["curve_every"] = every
+    return result
+
+
+def _runs(result: dict) -> dict:
+    return {**result.get("runs", {}), **result.get("long_context", {}).get("models", {})}
+
+
+def split(result: dict) -> tuple[dict, dict]:
+    """The result without the runs' curves (the JSON the docs quote: no curve value can pass for a quoted figure), and
+    the curves by run."""
+    curves = {key: {k: run.pop(k) for k in CURVES if k in run} for key, run in _runs(result).items()}
+    return result, curves
+
+
+def merge(result: dict, curves: dict) -> dict:
+    for key, run in _runs(result).items():
+        run.update(curves.get(key, {}))
     return result
 
 
@@ -45,22 +64,25 @@ def main() -> None:
     )
     args = parser.parse_args()
     out = args.out or ("runs/paper_claims_quick" if args.quick else "benchmarks/results")
-    saved_path = Path(out) / "paper_claims.json"
+    saved_path, curves_path = Path(out) / "paper_claims.json", Path(out) / "paper_claims" / "curves.json"
     if args.replot or args.markdown:
         saved = json.loads(saved_path.read_text())
         if args.markdown:
             print(markdown(saved))
         else:
-            plot_claims(saved, Path(out) / "paper_claims")
+            plot_claims(merge(saved, json.loads(curves_path.read_text())), Path(out) / "paper_claims")
         return
     require_matplotlib()
     settings = QUICK_CLAIMS if args.quick else ClaimsSettings()
     work = "runs/paper_claims_quick" if args.quick else "runs/paper_claims"
     result = compact(run_claims(settings, work, corpora(), tuple(args.parts)))
     if set(args.parts) != set(PARTS) and saved_path.exists():  # a partial run keeps the other parts' results
-        result = {**json.loads(saved_path.read_text()), **result}
+        saved = merge(json.loads(saved_path.read_text()), json.loads(curves_path.read_text()))
+        result = {**saved, **result}
     result["command"] = "python benchmarks/paper_claims.py" + (" --quick" if args.quick else "")
     plot_claims(result, Path(out) / "paper_claims")
+    result, curves = split(result)
+    write_json(curves, curves_path)
     write_json(result, saved_path)
     print(markdown(result))
 

@@ -50,8 +50,10 @@ ROI_COLUMNS = {
 def _roi_lines(result: dict) -> list[str]:
     lines = _table("model", "training FLOPs / dense", "ROI: recall per FLOP / dense's",
                    *(f"dense FLOPs / STEM FLOPs to {v}" for v in ROI_COLUMNS.values()))  # fmt: skip
+    seeds = len(result["settings"]["seeds"])
     for name, r in result["roi"].items():
-        lines.append(_row(name, _f(r["flops_ratio"]["mean"], 3), _pm(r["roi"]), *(_pm(r[k], 2) for k in ROI_COLUMNS)))
+        cells = [_pm(r[k], 2) + (f" ({r[k]['n']} of {seeds} seeds)" if r[k]["n"] < seeds else "") for k in ROI_COLUMNS]
+        lines.append(_row(name, _f(r["flops_ratio"]["mean"], 3), _pm(r["roi"]), *cells))
     return lines
 
 
@@ -104,7 +106,7 @@ def plot_stability(result: dict, path: Path) -> None:
             steps, loss = _curve(run, "monitor_loss")
             ax.plot(steps, loss, color=COLORS[name], label=f"{name} ({len(run['spikes'])} spikes)", linewidth=1)
             ax.scatter([t + 1 for t in run["spikes"]], run["spike_losses"], color=COLORS[name], marker="x", s=30)
-        ax.set_title(f"learning rate {lr}")
+        ax.set_title(f"learning rate {lr}, seed {result['settings']['seeds'][0]}")
         ax.set_xlabel("step")
         ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
         ax.grid(alpha=0.3)
@@ -132,8 +134,8 @@ def plot_roi(result: dict, path: Path) -> None:
     axes[0].set_ylabel("knowledge-probe recall (trained templates)")
     axes[1].set_ylabel("loss on fresh documents of the facts")
     axes[2].set_ylabel("loss on held-out general text")
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
+    for ax, zoom in ((axes[1], 2.0), (axes[2], 1.25)):  # the later part, where the curves differ
+        ax.set_ylim(0.97 * ax.dataLim.y0, zoom * ax.dataLim.y0)
     for ax in axes:
         ax.set_xlabel("training FLOPs")
         ax.grid(alpha=0.3)
@@ -197,7 +199,7 @@ def plot_expert_load(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(loads), figsize=(3.6 * len(loads), 2.8), squeeze=False)
     for ax, (lr, shares) in zip(axes[0], loads.items(), strict=True):
         image = ax.imshow(shares, vmin=0, vmax=max(max(s) for s in shares), cmap="viridis", aspect="auto")
-        ax.set_title(f"MoE expert load, lr {lr}", fontsize=9)
+        ax.set_title(f"MoE expert load, lr {lr}, seed {seed}", fontsize=9)
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
         fig.colorbar(image, ax=ax, label="share of routed slots")

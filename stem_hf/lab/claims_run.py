@@ -64,6 +64,7 @@ class ClaimsSettings:
     long_batch_size: int = 4  # the lab's tokens per step at the long context
     long_vocab_size: int = 4096
     long_valid_blocks: int = 32
+    long_text_pieces: int | None = None  # registry text pieces per split for the long-context runs (None: all)
 
 
 QUICK_CLAIMS = ClaimsSettings(
@@ -77,6 +78,7 @@ QUICK_CLAIMS = ClaimsSettings(
     long_batch_size=4,
     long_vocab_size=512,
     long_valid_blocks=4,
+    long_text_pieces=100,
 )
 
 
@@ -293,6 +295,7 @@ def long_context(settings: ClaimsSettings, out: Path, texts: dict[str, list[str]
 
         key = f"{name} context={lab.context}"
         depends = {"lab": asdict(lab), "vocab": settings.long_vocab_size, "valid": settings.long_valid_blocks}
+        depends |= {"pieces": settings.long_text_pieces} if settings.long_text_pieces else {}
         result["models"][name] = with_spikes(cache.get(key, depends, run))
         bar.update()
     rows = len(stem.stem_layers) * stem.intermediate_size

@@ -116,7 +116,7 @@ def variant_config(stem: StemConfig, dense: StemConfig, where: str) -> StemConfi
 def moe_config(dense: StemConfig, experts: int = 8, top_k: int = 2, aux_loss_coef: float = 0.01) -> MixtralConfig:
     """A Mixtral config of `dense`'s shape: `experts` experts per layer, each `intermediate_size / top_k` wide, so a
     token's `top_k` experts hold as many FFN weights as the dense FFN; the router's load-balancing loss at
-    `aux_loss_coef` (Mixtral's default)."""
+    `aux_loss_coef` (Switch Transformer's 0.01; transformers' Mixtral config defaults to 0.001)."""
     if dense.intermediate_size % top_k:
         raise ValueError(f"moe: intermediate_size {dense.intermediate_size} is not divisible by top_k {top_k}")
     return MixtralConfig(
