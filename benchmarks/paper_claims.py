@@ -9,7 +9,8 @@ sits, and long context (loss by position, activated table parameters against con
     .venv/bin/python benchmarks/paper_claims.py --markdown  # the tables benchmarks/README.md quotes
 
 Every trained run is kept in runs/paper_claims/runs/ and reused by a later call with the same settings (delete the
-folder to train afresh). `stem_hf.lab.claims_run` does the work.
+folder to train afresh). `--parts` runs some parts and keeps the saved results of the others; the wall and compute
+seconds saved are then those of that call. `stem_hf.lab.claims_run` does the work.
 """
 
 import argparse

@@ -210,3 +210,25 @@ def test_claims_run_end_to_end_resumes_and_reports(tmp_path):
     assert [p.name for p in plot_claims(result, tmp_path / "png")] == [
         "stability.png", "roi.png", "expert_load.png", "ablations.png", "long_context.png"
     ]  # fmt: skip
+
+
+def test_saved_result_keeps_curves_apart():
+    """The JSON the docs quote holds no per-step curve (a curve value could pass for a misquoted figure); the curves
+    file gives the plots back all of them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "paper_claims.py"
+    spec = importlib.util.spec_from_file_location("paper_claims", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run = {"train_loss": [1.0] * 10, "grad_norm": [None] * 10, "monitor_loss": [2.0] * 10, "spike_losses": [],
+           "probes": [{"step": 0}], "spikes": [], "intermediate_size": 8}  # fmt: skip
+    copy = lambda: json.loads(json.dumps(run))  # noqa: E731
+    result = {"runs": {"a": copy()}, "long_context": {"models": {"b": copy()}}}
+    result = script.compact(result, every=5)
+    assert result["runs"]["a"]["train_loss"] == [1.0, 1.0] and result["runs"]["a"]["curve_every"] == 5
+    summary, curves = script.split(json.loads(json.dumps(result)))
+    for kept in (summary["runs"]["a"], summary["long_context"]["models"]["b"]):
+        assert not set(script.CURVES) & set(kept) and kept["intermediate_size"] == 8
+    assert script.merge(summary, curves) == result

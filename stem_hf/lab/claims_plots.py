@@ -108,7 +108,7 @@ def plot_stability(result: dict, path: Path) -> None:
             ax.scatter([t + 1 for t in run["spikes"]], run["spike_losses"], color=COLORS[name], marker="x", s=30)
         ax.set_title(f"learning rate {lr}, seed {result['settings']['seeds'][0]}")
         ax.set_xlabel("step")
-        ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
+        ax.set_ylim(0.95 * ax.dataLim.y0, min(ax.dataLim.y1, 2.5 * ax.dataLim.y0))  # the first steps' fall cut
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("loss on the held-out monitor batch")
@@ -146,18 +146,25 @@ def plot_roi(result: dict, path: Path) -> None:
 
 
 def plot_ablations(result: dict, path: Path) -> None:
+    """One point per model; the bands are dense's and STEM-full's spread (mean ± std) over the seeds at the lab's rate,
+    to read the single-seed ablations against."""
     plt = pyplot()
     table = result["ablations"]
     names = list(table)
+    reference = result.get("stability", {}).get(next(iter(result.get("stability", {"": 0}))), {})
     keys = {"final_text_loss": "held-out text loss", "final_facts_loss": "facts loss", "final_recall": "probe recall"}
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     for ax, (key, label) in zip(axes, keys.items(), strict=True):
-        ax.bar(range(len(names)), [table[n][key]["mean"] for n in names], color="tab:gray")
+        for name in ("dense", "STEM-full"):
+            stats = reference.get(name, {}).get(key)
+            if stats and stats["std"] is not None:
+                low, high = stats["mean"] - stats["std"], stats["mean"] + stats["std"]
+                ax.axhspan(low, high, color=COLORS[name], alpha=0.15, label=f"{name}, {stats['n']} seeds")
+        ax.plot(range(len(names)), [table[n][key]["mean"] for n in names], "o", color="black", label="seed 0")
         ax.set_xticks(range(len(names)), [n.replace("table ", "").replace(" the ", "\n") for n in names], fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
-        if key != "final_recall":
-            ax.set_ylim(bottom=min(table[n][key]["mean"] for n in names) * 0.9)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

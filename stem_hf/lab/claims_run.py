@@ -276,8 +276,8 @@ def long_context(settings: ClaimsSettings, out: Path, texts: dict[str, list[str]
     lab = replace(
         settings.lab, context=settings.long_context, batch_size=settings.long_batch_size, seed=settings.seeds[0]
     )
+    texts = {split: pieces[: settings.long_text_pieces] for split, pieces in texts.items()}
     tokenizer = train_tokenizer(texts["calibration"], settings.long_vocab_size)
-
     train = token_blocks(tokenizer, texts["calibration"], lab.context)
     valid = token_blocks(tokenizer, texts["heldout"], lab.context, settings.long_valid_blocks)
     dense, stem = pretrain_configs(replace(lab, stem_layers="full"), len(tokenizer))
@@ -295,6 +295,7 @@ def long_context(settings: ClaimsSettings, out: Path, texts: dict[str, list[str]
 
         key = f"{name} context={lab.context}"
         depends = {"lab": asdict(lab), "vocab": settings.long_vocab_size, "valid": settings.long_valid_blocks}
+        depends |= {"every": settings.probe_every}
         depends |= {"pieces": settings.long_text_pieces} if settings.long_text_pieces else {}
         result["models"][name] = with_spikes(cache.get(key, depends, run))
         bar.update()
