@@ -26,6 +26,7 @@ from tqdm import tqdm
 from transformers import MixtralForCausalLM
 
 from ..analysis import activated_parameters
+from ..configuration_stem import StemConfig
 from ..modeling_stem import StemForCausalLM
 from ..pretrain import configs as pretrain_configs
 from ..pretrain import train_tokenizer
@@ -109,14 +110,15 @@ class RunCache:
         return result
 
 
-def _model(name: str, lab: dict, seed: int) -> torch.nn.Module:
+def _model(name: str, configs: dict[str, StemConfig], seed: int) -> torch.nn.Module:
+    """A fresh model of `name` (a lab config's name, `MoE` or an ablation) initialized from `seed`."""
     torch.manual_seed(seed)
     if name == "MoE":
-        return MixtralForCausalLM(moe_config(lab["dense"]))
+        return MixtralForCausalLM(moe_config(configs["dense"]))
     if name in ABLATED:
         where = ABLATED[name]
-        return build_variant(variant_config(lab["STEM-full"], lab["dense"], where), where)
-    return StemForCausalLM(lab[name])
+        return build_variant(variant_config(configs["STEM-full"], configs["dense"], where), where)
+    return StemForCausalLM(configs[name])
 
 
 class LabClaims:
