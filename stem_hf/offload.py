@@ -11,11 +11,17 @@
   `plan(prompt, chunk_size)` announces a chunked prefill: while one chunk computes, a background thread gathers (and
   starts copying) the next chunk's rows into the other staging buffer.
 
+- `StemMappedTables`: the same token-major layout as a file (`write_offload_store`, written once beside the checkpoint),
+  memory-mapped instead of copied: the engine gathers from the map, so tables larger than memory serve, and host
+  memory holds only the pages the kernel keeps cached.
+
 It plugs into the model as its row source (`StemModel.set_row_source`), so `generate()` (greedy, sampling, batched,
 with the KV cache) and `device_map` loads work unchanged. Without an accelerator
 the same engine serves rows from host memory (no copy): the plain CPU gather path.
 """
 
+import json
+import os
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -26,7 +32,35 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .accounting import load_config
+from .storage_stem import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAVE_ID_KEY,
+    TABLE_KEY,
+    StemSafetensorsWriter,
+    advise_random_access,
+    block_rows,
+    check_checkpoint_files,
+    map_safetensors,
+    read_safetensors_metadata,
+)
+
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
+# The mapped store's file, beside the checkpoint's weights, and the one tensor in it: `[vocab, stem_layers, d_ff]`.
+STORE_NAME = "stem-offload-store.safetensors"
+STORE_TENSOR = "rows"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory that can be had without swapping (Linux's MemAvailable); None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 class StemHostTables:
@@ -44,6 +78,13 @@ class StemHostTables:
         self.vocab_size, self.width, self.int8 = vocab, width, int8
         self.table_dtype = dtype or next(iter(tables.values())).dtype  # what int8 rows are dequantized to
         dtype = torch.int8 if int8 else self.table_dtype
+        needed, available = vocab * n * (width * dtype.itemsize + (4 if int8 else 0)), available_memory()
+        if available is not None and needed > available:
+            raise MemoryError(
+                f"StemHostTables: a host copy of the tables takes {needed / 2**30:.1f} GiB and {available / 2**30:.1f} "
+                "GiB of memory are available; serve them from a mapped store instead: write it once with `stem-hf "
+                "offload-store CHECKPOINT` and pass StemOffloadEngine(model, store=PATH)"
+            )
         self.data = torch.empty((vocab, n, width), dtype=dtype)
         self.scales = torch.empty((vocab, n), dtype=torch.float32) if int8 else None
         for start in tqdm(range(0, vocab, BUILD_ROWS), desc="STEM host tables", unit="block", leave=False):
@@ -71,6 +112,141 @@ class StemHostTables:
         rows = torch.index_select(self.data, 0, ids, out=out)
         scales = None if self.scales is None else torch.index_select(self.scales, 0, ids, out=out_scales)
         return rows, scales
+
+
+def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | None = None) -> str:
+    """Writes the token-major store of the STEM checkpoint in `folder` to `path` (default: `folder/STORE_NAME`) and
+    returns its path: `[vocab, stem_layers, d_ff]` in the tables' dtype, one tensor of a safetensors file whose metadata
+    names the layers and the checkpoint's save id. Built a block of rows at a time from the table shards, memory-mapped,
+    so tables larger than memory are never held; written to a `.partial` file beside `path`, renamed when complete."""
+    folder = os.fspath(folder)
+    config = load_config(folder, hub=False)
+    if not config.stem_layers:
+        raise ValueError(f"{folder}: the checkpoint has no STEM layers, so no tables to store")
+    save_id = check_checkpoint_files(folder, config.vocab_size, config.intermediate_size, config.stem_layers)
+    index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    if not os.path.isfile(index_path):
+        raise FileNotFoundError(f"{index_path} is missing: an offload store is built from a saved checkpoint")
+    with open(index_path, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    tables = {}
+    for file in sorted({file for name, file in weight_map.items() if TABLE_KEY.search(name)}):
+        for name, tensor in map_safetensors(os.path.join(folder, file)).items():
+            if TABLE_KEY.search(name):
+                tables[int(TABLE_KEY.search(name).group(1))] = tensor
+    layers, dtype = config.stem_layers, tables[config.stem_layers[0]].dtype
+    path = os.fspath(path) if path is not None else os.path.join(folder, STORE_NAME)
+    if os.path.exists(path):
+        _read_store_metadata(path)  # refuses to replace a file that is not an offload store
+    shape = (config.vocab_size, len(layers), config.intermediate_size)
+    metadata = {"format": "pt", "stem_layers": json.dumps(layers), **({SAVE_ID_KEY: save_id} if save_id else {})}
+    partial = path + ".partial"
+    lock = os.open(partial, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        _lock_or_refuse(lock, partial)
+        with StemSafetensorsWriter(partial, {STORE_TENSOR: shape}, dtype, metadata) as writer:
+            step = block_rows(shape, dtype)
+            for start in tqdm(range(0, shape[0], step), desc="STEM offload store", unit="block"):
+                block = torch.stack([tables[layer][start : start + step] for layer in layers], dim=1)
+                writer.write(STORE_TENSOR, start, block)
+            os.fsync(writer.fd)
+        os.replace(partial, path)
+    finally:
+        os.close(lock)
+    return path
+
+
+def _lock_or_refuse(fd: int, path: str) -> None:
+    try:
+        import fcntl
+    except ImportError:  # no locks here: a second writer is not detected
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise RuntimeError(f"{path}: another process is writing this offload store") from None
+
+
+def _read_store_metadata(path: str) -> dict:
+    """The metadata of an offload store file, after checking it is one and whole."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no offload store there; write one with `stem-hf offload-store CHECKPOINT`")
+    metadata = read_safetensors_metadata(path)  # raises, naming the file, on a truncated or corrupt one
+    if "stem_layers" not in metadata:
+        raise ValueError(f"{path} is a safetensors file but not a STEM offload store (no stem_layers in its metadata)")
+    return metadata
+
+
+class StemMappedTables:
+    """The token-major store as a file (`write_offload_store`), memory-mapped: what `StemHostTables` holds in memory,
+    read from the page cache instead. `gather(ids)` copies only the rows asked for. The map is advised random access
+    (no read-ahead into tokens nobody asked for) and, with `will_need`, each gather first asks the kernel to read the
+    rows' byte ranges in (`POSIX_FADV_WILLNEED`): one request per run of consecutive ids, issued together, instead of
+    one page fault at a time. Refuses a file that is truncated or does not match `config` (layers, vocabulary, width,
+    dtype) or the save the model was loaded from (`save_id`)."""
+
+    int8, scales = False, None
+
+    def __init__(self, path: str | os.PathLike, config=None, save_id: str | None = None, will_need: bool = True):
+        self.path = os.fspath(path)
+        metadata = _read_store_metadata(self.path)
+        self.layers = json.loads(metadata["stem_layers"])
+        self.data = map_safetensors(self.path).get(STORE_TENSOR)
+        if self.data is None or self.data.dim() != 3 or self.data.shape[1] != len(self.layers):
+            raise ValueError(f"{self.path}: no [vocab, {len(self.layers)}, d_ff] tensor {STORE_TENSOR!r} in the store")
+        self.vocab_size, _, self.width = self.data.shape
+        self.table_dtype = self.data.dtype
+        if config is not None:
+            expected = {
+                "stem_layers": (config.stem_layers, self.layers),
+                "vocab_size": (config.vocab_size, self.vocab_size),
+                "intermediate_size": (config.intermediate_size, self.width),
+                "table_dtype": (config.table_dtype, str(self.table_dtype).removeprefix("torch.")),
+            }
+            for name, (want, have) in expected.items():
+                if want != have:
+                    raise ValueError(
+                        f"{self.path}: the store has {name} {have} but the model's config says {want}; it was written "
+                        "from another checkpoint: write it again with `stem-hf offload-store CHECKPOINT`"
+                    )
+        stored = metadata.get(SAVE_ID_KEY)
+        if save_id is not None and stored is not None and stored != save_id:
+            raise ValueError(
+                f"{self.path} was written from save {stored} of the checkpoint and the model holds save {save_id}: the "
+                "tables changed since; write the store again with `stem-hf offload-store CHECKPOINT`"
+            )
+        self.slot = {layer: i for i, layer in enumerate(self.layers)}
+        self.offset = os.path.getsize(self.path) - self.nbytes  # where row 0 begins: the file ends with the rows
+        self.will_need = will_need and hasattr(os, "posix_fadvise")
+        self._fd = os.open(self.path, os.O_RDONLY) if self.will_need else None
+        advise_random_access(self.data)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def row_bytes(self) -> int:
+        return self.nbytes // self.vocab_size
+
+    def advise(self, ids: torch.Tensor) -> None:
+        """Asks the kernel to start reading the rows of `ids` in, one request per run of consecutive ids."""
+        if not self.will_need or ids.numel() == 0:
+            return
+        ids = torch.unique(ids.reshape(-1).cpu())
+        breaks = (ids[1:] != ids[:-1] + 1).nonzero().squeeze(1) + 1  # where a new run of consecutive ids starts
+        first = ids[torch.cat([breaks.new_zeros(1), breaks])]
+        ends = ids[torch.cat([breaks, breaks.new_full((1,), len(ids))]) - 1] + 1
+        row = self.row_bytes()
+        for begin, end in zip(first.tolist(), ends.tolist(), strict=True):
+            os.posix_fadvise(self._fd, self.offset + begin * row, (end - begin) * row, os.POSIX_FADV_WILLNEED)
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None, out_scales: torch.Tensor | None = None):
+        self.advise(ids)
+        return torch.index_select(self.data, 0, ids, out=out), None
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
 
 class StemRowCache:
@@ -156,7 +332,8 @@ class StemOffloadEngine:
     `device`: where rows go (default: the device of the model's embedding). `cache_tokens`: rows of that many tokens
     kept on the device (0: none). `int8`: store tables as int8 with per-row scales. `dtype`: the store dtype
     (default: the tables'). `free_tables`: once the store is built, drop the model's own tables (host memory is then
-    the store's only)."""
+    the store's only). `store`: the path of a mapped store (`write_offload_store`) to gather from instead of building
+    one in memory: for tables larger than memory (checked against the model's config and save)."""
 
     def __init__(
         self,
@@ -166,12 +343,21 @@ class StemOffloadEngine:
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         free_tables: bool = False,
+        store: str | os.PathLike | None = None,
     ):
         base = model.base_model
         self.model, self.tables_module = model, base.stem_tables
         self.device = torch.device(device) if device is not None else base.embed_tokens.weight.device
-        tables = {int(k): m.weight for k, m in self.tables_module.items()}
-        self.store = StemHostTables(tables, dtype=dtype, int8=int8)
+        if store is not None:
+            if int8 or dtype is not None or free_tables:
+                raise ValueError(
+                    "store: a mapped store serves the tables' own rows from its file; int8, dtype and free_tables "
+                    "are options of a store built in memory"
+                )
+            self.store = StemMappedTables(store, model.config, getattr(model, "stem_save_id", None))
+        else:
+            tables = {int(k): m.weight for k, m in self.tables_module.items()}
+            self.store = StemHostTables(tables, dtype=dtype, int8=int8)
         self.cuda = self.device.type == "cuda"
         n, width = len(self.store.layers), self.store.width
         dtype, vocab = self.store.data.dtype, self.store.vocab_size
@@ -240,6 +426,7 @@ class StemOffloadEngine:
             "cache_hit_rate": self.cache.hit_rate if self.cache else None,
             "planned_forwards": self.planned_forwards,
             "host_bytes": self.store.nbytes,
+            "mapped": isinstance(self.store, StemMappedTables),
         }
 
     def _stage(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -381,4 +568,14 @@ def offloaded(model: nn.Module, **kwargs) -> Iterator[StemOffloadEngine]:
         yield engine
 
 
-__all__ = ["StemHostTables", "StemOffloadEngine", "StemOffloadedRows", "StemRowCache", "offloaded"]
+__all__ = [
+    "STORE_NAME",
+    "StemHostTables",
+    "StemMappedTables",
+    "StemOffloadEngine",
+    "StemOffloadedRows",
+    "StemRowCache",
+    "available_memory",
+    "offloaded",
+    "write_offload_store",
+]

@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import json
 import math
+import mmap
 import os
 import re
 import secrets
@@ -170,6 +171,11 @@ def read_safetensors_header(path: str) -> dict:
     """The tensor entries of a safetensors file's header, after checking that they are consistent and that the file
     holds every byte they name; errors name the file and the tensor."""
     return _read_header(path)[0]
+
+
+def read_safetensors_metadata(path: str) -> dict:
+    """The `__metadata__` of a safetensors file, after `read_safetensors_header`'s checks of the whole file."""
+    return _read_header(path)[1]
 
 
 def _read_index(path: str) -> dict:
@@ -382,6 +388,125 @@ def stamp_safetensors(path: str, metadata: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
+# safetensors' names of the dtypes tables and offload stores are written in.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
+}  # fmt: skip
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+# Rows copied per write: what a save of a table larger than memory holds at a time.
+WRITE_BLOCK_BYTES = 64 << 20
+
+
+def block_rows(
+    tensor_shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, block_bytes: int = WRITE_BLOCK_BYTES
+) -> int:
+    """Rows of a tensor of `tensor_shape` that make about `block_bytes` in `dtype` (at least one)."""
+    return max(1, block_bytes // max(1, math.prod(tensor_shape[1:]) * dtype.itemsize))
+
+
+class StemSafetensorsWriter:
+    """A safetensors file written in place, so that no tensor is ever held whole: the header first, as safetensors
+    writes it (tensors in name order, their bytes back to back, the header padded with spaces to 8 bytes), then rows
+    at their offsets in any order, by `write`. The file has its full size from the start. Single-dtype files only
+    (tables, offload stores), which is what makes safetensors' own order the name order."""
+
+    def __init__(self, path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, metadata: dict[str, str]):
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: no safetensors name for dtype {dtype}")
+        entries, size = {}, 0
+        for name in sorted(shapes):
+            nbytes = math.prod(shapes[name]) * dtype.itemsize
+            entries[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shapes[name]),
+                "data_offsets": [size, size + nbytes],
+            }
+            size += nbytes
+        header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        self.path, self.dtype, self.shapes = path, dtype, {name: tuple(shape) for name, shape in shapes.items()}
+        self.begin = {name: 8 + len(header) + entry["data_offsets"][0] for name, entry in entries.items()}
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._pwrite(struct.pack("<Q", len(header)) + header, 0)
+        os.ftruncate(self.fd, 8 + len(header) + size)
+
+    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        data = memoryview(data)
+        while len(data):  # one call may write less than asked (Linux caps a call near 2 GiB)
+            written = os.pwrite(self.fd, data, offset)
+            data, offset = data[written:], offset + written
+
+    def write(self, name: str, first_row: int, rows: torch.Tensor) -> None:
+        """Writes `rows` (cast to the file's dtype) as rows `first_row...` of tensor `name`."""
+        shape = self.shapes[name]
+        if tuple(rows.shape[1:]) != shape[1:] or not 0 <= first_row <= first_row + len(rows) <= shape[0]:
+            raise ValueError(
+                f"{self.path}: rows of shape {list(rows.shape)} at row {first_row} do not fit {name} of shape "
+                f"{list(shape)}"
+            )
+        data = rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
+        self._pwrite(data, self.begin[name] + first_row * math.prod(shape[1:]) * self.dtype.itemsize)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "StemSafetensorsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def map_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a copy-on-write memory map of it (after `read_safetensors_header`'s
+    checks): pages are read in as they are used, and a write to a tensor copies the pages it touches instead of
+    altering the file."""
+    header, _ = _read_header(path)
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        data = header_size + 8
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.path.getsize(path) > data else None
+    tensors = {}
+    for name, entry in header.items():
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} is {entry['dtype']}, which this reader does not map")
+        begin, end = entry["data_offsets"]
+        if end == begin:
+            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(buffer, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=data + begin)
+        tensors[name] = flat.view(entry["shape"])
+    return tensors
+
+
+def table_shards(
+    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, max_shard_size: int | str, variant: str | None = None
+) -> dict[str, list[str]]:
+    """The table files a save writes, `{file: [table names]}`: tables in layer order, packed greedily into files of
+    at most `max_shard_size` bytes (a table larger than that gets a file of its own), named as transformers names
+    shards."""
+    limit = _transformers_name("transformers.utils.hub", "convert_file_size_to_int")(max_shard_size)
+    shards, size = [[]], 0
+    for name in sorted(shapes, key=lambda n: int(TABLE_KEY.search(n).group(1))):
+        nbytes = math.prod(shapes[name]) * dtype.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    shards = [names for names in shards if names]
+    return {_shard_name(TABLES_NAME, variant, i, len(shards)): names for i, names in enumerate(shards, start=1)}
+
+
+def table_metadata(save_id: str | None) -> dict[str, str]:
+    """The metadata of a table file of save `save_id`."""
+    return {"format": "pt", **({SAVE_ID_KEY: save_id} if save_id else {})}
+
+
 def save_tables(
     tables: dict[str, torch.Tensor],
     folder: str,
@@ -390,26 +515,20 @@ def save_tables(
     save_id: str | None = None,
     variant: str | None = None,
 ) -> dict:
-    """Writes the tables in `dtype` to `stem-tables[.VARIANT]-XXXXX-of-YYYYY.safetensors` files of at most
-    `max_shard_size` (a table larger than that gets a file of its own), one table cast at a time, each stamped with
-    `save_id`. Returns their weight map."""
-    limit = _transformers_name("transformers.utils.hub", "convert_file_size_to_int")(max_shard_size)
-    shards, size = [[]], 0
-    for name in sorted(tables, key=lambda n: int(TABLE_KEY.search(n).group(1))):
-        nbytes = tables[name].numel() * dtype.itemsize
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    shards = [names for names in shards if names]
-    metadata = {"format": "pt", **({SAVE_ID_KEY: save_id} if save_id else {})}
-    save_file = _transformers_name("transformers.modeling_utils", "safe_save_file")
+    """Writes the tables in `dtype` to `stem-tables[.VARIANT]-XXXXX-of-YYYYY.safetensors` files (`table_shards`), each
+    stamped with `save_id`, a block of rows at a time: a table is never cast or copied whole, so memory-mapped tables
+    larger than memory save too. Returns their weight map."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in tables.items()}
+    files = table_shards(shapes, dtype, max_shard_size, variant)
     weight_map = {}
-    for i, names in enumerate(logging.tqdm(shards, desc="Writing STEM tables", disable=not shards), start=1):
-        file = _shard_name(TABLES_NAME, variant, i, len(shards))
-        shard = {name: tables[name].detach().to(device="cpu", dtype=dtype).contiguous() for name in names}
-        save_file(shard, os.path.join(folder, file), metadata=metadata)
+    for file, names in logging.tqdm(files.items(), desc="Writing STEM tables", disable=not files):
+        with StemSafetensorsWriter(
+            os.path.join(folder, file), {n: shapes[n] for n in names}, dtype, table_metadata(save_id)
+        ) as writer:
+            for name in names:
+                table, step = tables[name].detach(), block_rows(shapes[name], dtype)
+                for start in range(0, len(table), step):
+                    writer.write(name, start, table[start : start + step])
         weight_map.update(dict.fromkeys(names, file))
     return weight_map
 
@@ -421,10 +540,16 @@ def finish_checkpoint(
     max_shard_size,
     total_parameters: int,
     variant: str | None = None,
+    save_id: str | None = None,
+    written: dict[str, str] | None = None,
 ) -> str:
     """Adds the tables to a folder where transformers saved the dense weights (of `variant`), stamps every weight file
-    with a fresh save id, and writes one index for all files, with that id. Returns the id."""
-    save_id = uuid.uuid4().hex
+    with the save id (default: a fresh one), and writes one index for all files, with that id. Returns the id.
+    `written`: the weight map of tables already in the folder, written with `save_id` (by a conversion that streams
+    them there); `tables` is then not written."""
+    if written is not None and save_id is None:
+        raise ValueError("finish_checkpoint: tables already written carry a save id; pass it")
+    save_id = save_id or uuid.uuid4().hex
     index_path = os.path.join(folder, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
     if os.path.isfile(index_path):
         weight_map = _read_index(index_path)["weight_map"]
@@ -446,7 +571,9 @@ def finish_checkpoint(
         config[SAVE_ID_KEY] = save_id
         with open(config_path, "w", encoding="utf-8") as f:
             f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    weight_map.update(save_tables(tables, folder, dtype, max_shard_size, save_id, variant))
+    weight_map.update(
+        written if written is not None else save_tables(tables, folder, dtype, max_shard_size, save_id, variant)
+    )
     total_size = 0
     for file in set(weight_map.values()):
         total_size += sum(
@@ -932,6 +1059,35 @@ def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
     return tables, dense
 
 
+def write_checkpoint(
+    model,
+    folder: str,
+    save_dense: Callable,
+    state_dict: dict | None = None,
+    max_shard_size: int | str = "50GB",
+    save_id: str | None = None,
+    written: dict[str, str] | None = None,
+    **kwargs,
+) -> str:
+    """What `save_checkpoint` writes into its staging `folder`: config, code and dense weights by `save_dense`
+    (transformers' own), the tables, one index. `save_id` and `written` as `finish_checkpoint` takes them: a
+    conversion that streamed its tables into `folder` passes their weight map. Returns the save id, which the model
+    then records as that of the weights it holds."""
+    variant = kwargs.pop("variant", None) or None
+    tables, dense = _split_state_dict(model, state_dict)
+    # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
+    if model._auto_class is not None:
+        auto_map = getattr(model.config, "auto_map", None) or {}
+        model.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
+    save_dense(folder, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
+    dtype = getattr(torch, model.config.table_dtype)
+    save_id = finish_checkpoint(
+        folder, tables, dtype, max_shard_size, model.num_parameters(), variant, save_id, written
+    )
+    model.stem_save_id = save_id  # the weights in memory are now those of this save
+    return save_id
+
+
 def save_checkpoint(
     model,
     save_directory: str | os.PathLike,
@@ -950,19 +1106,11 @@ def save_checkpoint(
     of two saves. With `variant` ("fp16"), files are named as transformers names a variant's. Provenance files already
     in `save_directory` that record an earlier save's id are kept, named in a warning, and left out of the model card.
     Returns the save id."""
-    variant = kwargs.pop("variant", None) or None
+    variant = kwargs.get("variant") or None
     check_variant(variant)
     hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
-    tables, dense = _split_state_dict(model, state_dict)
-    # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
-    if model._auto_class is not None:
-        auto_map = getattr(model.config, "auto_map", None) or {}
-        model.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
     with staged_folder(save_directory, variant) as staging:
-        save_dense(staging, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
-        dtype = getattr(torch, model.config.table_dtype)
-        save_id = finish_checkpoint(staging, tables, dtype, max_shard_size, model.num_parameters(), variant)
-    model.stem_save_id = save_id  # the weights in memory are now those of this save
+        save_id = write_checkpoint(model, staging, save_dense, state_dict, max_shard_size, **kwargs)
     stale = stale_provenance(save_directory, PROVENANCE_FILES)
     if stale:
         logger.warning(
@@ -997,28 +1145,36 @@ __all__ = [
     "SAFE_WEIGHTS_NAME",
     "SAVE_ID_KEY",
     "TABLE_KEY",
+    "StemSafetensorsWriter",
     "StemSoftPromptRows",
     "StemTable",
     "StemTableRows",
     "StemTables",
     "TABLES_NAME",
+    "WRITE_BLOCK_BYTES",
     "advise_random_access",
+    "block_rows",
     "check_checkpoint_files",
     "check_variant",
     "device_map_keeping_tables_on_cpu",
     "finish_checkpoint",
     "finish_load",
+    "map_safetensors",
     "prepare_load",
     "provenance_matches",
     "read_safetensors_header",
+    "read_safetensors_metadata",
     "read_save_id",
     "save_checkpoint",
     "save_tables",
     "stale_provenance",
     "staged_folder",
     "stamp_safetensors",
+    "table_metadata",
+    "table_shards",
     "unsaved_id",
     "variant_name",
+    "write_checkpoint",
     "write_card",
     "xavier_normal_std",
 ]

@@ -7,18 +7,20 @@ The driver: each step is a call into the module that does it (`sources`, `text`,
 import os
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from .. import StemConfig, StemForCausalLM
 from ..accounting import num_active_parameters, num_table_parameters
+from ..offload import write_offload_store
 from .heal import heal
 from .init_tables import init_tables
 from .plan import ConversionPlan
 from .refit import refit
 from .report import ConversionReport, perplexity
-from .save import save_conversion
+from .save import StemTableStream, save_conversion
 from .sources import Source, check_source_and_out, open_source, stem_from_dense
 from .text import Chunks, ConversionText, prefix_ids
 
@@ -49,6 +51,9 @@ def convert(
     heldout_name: str | None = None,
     base_model: str | None = None,
     license: str | None = None,
+    stream: bool | None = None,
+    max_shard_size: int | str = "50GB",
+    offload_store: bool = False,
 ) -> tuple[StemForCausalLM, dict]:
     """Converts `source` (a folder, Hub id, `.gguf` file, or a loaded Llama/Mistral/Qwen2/Qwen3 model) to STEM and
     returns `(model, report)`; saves to `out` when given (with the tokenizer, generation config, the conversion report
@@ -72,6 +77,9 @@ def convert(
         heal_tokens=heal_tokens,
         heal_options=heal_options or {},
         device=device,
+        stream=stream,
+        max_shard_size=max_shard_size,
+        offload_store=offload_store,
     )
     text = ConversionText(
         calibration=calibration,
@@ -99,15 +107,26 @@ def run_conversion(
     _check_before_loading(source, out, plan, text)
     start = time.perf_counter()
     dense = open_source(source, tokenizer, base_model, license)
-    stem = stem_from_dense(dense.model, plan.stem_layers, plan.table_dtype)
-    chunks, prefix = _cut_text(text, dense.tokenizer, stem.config, plan)
-    calibration = init_tables(dense.model, stem, plan.init, chunks.calibration, plan.shrink, prior_prefix=prefix)
-    trained = _refit(dense.model, stem, chunks.calibration, plan)
-    report = _report(dense, stem, plan, text, chunks, calibration, trained, prefix)
-    _heal(dense.model, stem, chunks, plan, report)
-    _count(stem, report, start)
-    if out is not None:
-        save_conversion(out, stem, dense.tokenizer, report)
+    streamed = out is not None and plan.stream
+    # A dense model loaded here and never written to (no refit, no healing) lends the STEM model its tensors.
+    share = isinstance(source, (str, os.PathLike)) and plan.refit == "none" and not plan.heal_tokens
+    stem = stem_from_dense(dense.model, plan.stem_layers, plan.table_dtype, not streamed, share)
+    with StemTableStream(out, stem, plan.max_shard_size) if streamed else nullcontext() as stream:
+        chunks, prefix = _cut_text(text, dense.tokenizer, stem.config, plan)
+        write = stream.write if stream is not None else None
+        calibration = init_tables(
+            dense.model, stem, plan.init, chunks.calibration, plan.shrink, prior_prefix=prefix, write=write
+        )
+        if stream is not None:
+            stream.map_tables()
+        trained = _refit(dense.model, stem, chunks.calibration, plan)
+        report = _report(dense, stem, plan, text, chunks, calibration, trained, prefix)
+        _heal(dense.model, stem, chunks, plan, report)
+        _count(stem, report, start)
+        if out is not None:
+            save_conversion(out, stem, dense.tokenizer, report, stream, plan.max_shard_size)
+    if out is not None and plan.offload_store and stem.config.stem_layers:
+        write_offload_store(out)
     return stem, report.to_dict()
 
 

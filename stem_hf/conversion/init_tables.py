@@ -11,11 +11,13 @@ mean FFN input. The BOS token gets the exact position-0 row.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..storage_stem import xavier_normal_std
 from .calibrate import LayerStats, calibrate, context_inputs
 from .options import CALIBRATED_INITS
 
@@ -63,21 +65,31 @@ def init_tables(
     ridge: float = 1e-2,
     layers: list[int] | None = None,
     prior_prefix: list[int] | None = None,
+    write: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> dict:
-    """Fills every table of `stem` (or those of `layers`) from `dense`. Returns calibration facts for the report.
+    """Sets every table of `stem` (or those of `layers`) from `dense`, `ROW_BLOCK` rows at a time, each block cast to
+    the table dtype and handed to `write(layer, first_row, rows)` (default: into the model's table; a conversion that
+    streams its tables to disk passes `StemTableStream.write`). Returns calibration facts for the report.
     `prior_prefix` (token ids, for `mean` and `fitted`): the fallback that rare and unseen tokens' rows lean on is a
     ridge map from the token's input embedding and its FFN input after this prefix (`context_inputs`), not from the
     embedding alone."""
     layers = stem.config.stem_layers if layers is None else layers
-    vocab = stem.config.vocab_size
+    vocab, width = stem.config.vocab_size, stem.config.intermediate_size
+    dtype = getattr(torch, stem.config.table_dtype)
+    write = write or partial(_write_into, stem.model.stem_tables)
     uncalibrated = {"calibration_tokens": 0, "distinct_tokens": 0, "vocab_coverage": 0.0}
-    if init == "xavier" or not layers:
-        return uncalibrated  # the model's own init
+    if not layers:
+        return uncalibrated
+    if init == "xavier":  # the paper's init, drawn a block at a time from torch's generator
+        std = xavier_normal_std(vocab, width)
+        for layer in tqdm(layers, desc="xavier tables", unit="layer"):
+            _fill(partial(write, layer), vocab, dtype, lambda rows: torch.randn(rows.stop - rows.start, width) * std)
+        return uncalibrated
     embed = dense.get_input_embeddings().weight.detach()
     if init not in CALIBRATED_INITS:
         for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
             block = dense.model.layers[layer]
-            _fill(stem.model.stem_tables[str(layer)].weight, lambda rows: projected_rows(block, embed, rows))  # noqa: B023
+            _fill(partial(write, layer), vocab, dtype, lambda rows: projected_rows(block, embed, rows))  # noqa: B023
         return uncalibrated
     calibration = _calibrate(dense, chunks, layers, init, vocab)
     context = None
@@ -95,15 +107,22 @@ def init_tables(
         def rows_of(rows: slice) -> torch.Tensor:
             return calibrated_rows(mlp, stats, slots, fallback, features, rows, init, shrink, bos)  # noqa: B023
 
-        _fill(stem.model.stem_tables[str(layer)].weight, rows_of)
+        _fill(partial(write, layer), vocab, dtype, rows_of)
     return calibration.info(vocab)
 
 
-def _fill(table: torch.Tensor, rows_of: Callable[[slice], torch.Tensor]) -> None:
-    """Sets `table` block by block from `rows_of(rows)`, computed in fp32."""
-    for start in range(0, len(table), ROW_BLOCK):
-        rows = slice(start, min(start + ROW_BLOCK, len(table)))
-        table[rows] = rows_of(rows).to(table.dtype)
+def _write_into(tables: nn.ModuleDict, layer: int, first_row: int, rows: torch.Tensor) -> None:
+    tables[str(layer)].weight[first_row : first_row + len(rows)] = rows
+
+
+def _fill(
+    write: Callable[[int, torch.Tensor], None], vocab: int, dtype: torch.dtype, rows_of: Callable[[slice], torch.Tensor]
+) -> None:
+    """Hands `write(first_row, rows)` a table's rows block by block, computed in fp32 by `rows_of(rows)` and cast to
+    `dtype`."""
+    for start in range(0, vocab, ROW_BLOCK):
+        rows = slice(start, min(start + ROW_BLOCK, vocab))
+        write(start, rows_of(rows).to(dtype))
 
 
 def ridge_map(

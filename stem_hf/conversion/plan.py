@@ -30,6 +30,11 @@ class ConversionPlan:
     text (`conversion.heal`), `heal_options` going to `heal` (`anneal` defaults to `ANNEAL[init]`), on `device`
     (default: where the model is; tables stay in host memory).
 
+    `stream` (default: unless healing): a conversion with an output folder writes each block of table rows into its
+    shard as it is computed (`StemTableStream`) and never holds a table in memory; healing trains the tables, so it
+    cannot. Table shards hold at most `max_shard_size` bytes. `offload_store`: also write the token-major offload store
+    (`stem_hf.offload.write_offload_store`) into the output folder.
+
     Raises on options a conversion would refuse, and resolves the defaults, before anything loads.
     """
 
@@ -44,6 +49,9 @@ class ConversionPlan:
     heal_tokens: int = 0
     heal_options: dict = field(default_factory=dict)
     device: str | torch.device | None = None
+    stream: bool | None = None
+    max_shard_size: int | str = "50GB"
+    offload_store: bool = False
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -59,6 +67,10 @@ class ConversionPlan:
         if self.refit is None:
             self.refit = "all" if self.init == "fitted" else "none"
         self.gate_epochs, self.dense_epochs = self._local_epochs()
+        if self.stream and self.heal_tokens:
+            raise ValueError("stream: healing trains the tables, which needs them in memory; convert without stream")
+        if self.stream is None:
+            self.stream = not self.heal_tokens
 
     def _local_epochs(self) -> tuple[int, int]:
         """Epochs of local training for the STEM layers' gates and the dense layers' FFNs: it runs inside the refit

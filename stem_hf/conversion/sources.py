@@ -12,6 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .. import StemConfig, StemForCausalLM
 from ..accounting import check_local
+from ..modeling_stem import StemRotaryEmbedding
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -183,19 +184,43 @@ def check_source_and_out(
     return stem_config_from_dense(config, stem_layers, table_dtype)
 
 
-def copy_dense_weights(dense: nn.Module, stem: StemForCausalLM) -> None:
-    """Every dense weight but the STEM layers' up-projections, by name: STEM keeps Llama's names."""
+def copy_dense_weights(dense: nn.Module, stem: StemForCausalLM, share: bool = False) -> None:
+    """Every dense weight but the STEM layers' up-projections, by name (STEM keeps Llama's names), in float32. `share`:
+    `stem` takes the dense model's own float32 tensors instead of copies, so nothing may then write to either in place
+    (a refit or healing would change both)."""
     dropped = {f"model.layers.{i}.mlp.up_proj.{p}" for i in stem.config.stem_layers for p in ("weight", "bias")}
-    state = {k: v for k, v in dense.state_dict().items() if k not in dropped}
-    missing, unexpected = stem.load_state_dict(state, strict=False)
+    state = {}
+    for name, tensor in dense.state_dict().items():
+        if name not in dropped:
+            copied = tensor.to(torch.float32)
+            state[name] = copied if share or copied.data_ptr() != tensor.data_ptr() else copied.clone()
+    missing, unexpected = stem.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if "stem_tables" not in k]
     if missing or unexpected:
         raise RuntimeError(f"dense and STEM weights do not line up: missing {missing}, unexpected {unexpected}")
+    if stem.config.tie_word_embeddings:  # two parameters on one tensor after the assignment: one parameter again
+        stem.lm_head.weight = stem.model.embed_tokens.weight
 
 
-def stem_from_dense(dense: nn.Module, stem_layers: str | list[int], table_dtype: str) -> StemForCausalLM:
-    """The STEM model of `dense` with `stem_layers` converted: every dense weight copied, tables at their own init."""
-    stem = StemForCausalLM(stem_config_from_dense(dense.config, stem_layers, table_dtype)).eval()
-    copy_dense_weights(dense, stem)
+def stem_from_dense(
+    dense: nn.Module,
+    stem_layers: str | list[int],
+    table_dtype: str,
+    allocate_tables: bool = True,
+    share_weights: bool = False,
+) -> StemForCausalLM:
+    """The STEM model of `dense` with `stem_layers` converted, built without initializing anything it then replaces:
+    every dense weight copied (`copy_dense_weights`; `share_weights` takes the dense model's own tensors), the tables
+    allocated but not set (`init_tables` sets every row) or, without `allocate_tables`, left on the meta device for a
+    conversion that writes them to disk to map in (`StemTableStream`): tables are then never in memory."""
+    config = stem_config_from_dense(dense.config, stem_layers, table_dtype)
+    with torch.device("meta"):
+        stem = StemForCausalLM(config)
+    stem.model.rotary_emb = StemRotaryEmbedding(config)  # computed, not loaded
+    copy_dense_weights(dense, stem, share=share_weights)
+    if allocate_tables:
+        for table in stem.model.stem_tables.values():
+            table.weight = nn.Parameter(torch.empty(table.weight.shape, dtype=table.weight.dtype))
+    stem.eval()
     stem.generation_config = dense.generation_config
     return stem
