@@ -69,6 +69,24 @@ def summarize(config: StemConfig, context_length: int = 2048) -> dict:
     }
 
 
+def available_memory() -> int | None:
+    """Bytes of memory that can be had without swapping (Linux's MemAvailable); None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def table_bytes(config: StemConfig) -> int:
+    """Bytes of a STEM config's tables in `config.table_dtype`."""
+    itemsize = getattr(torch, config.table_dtype).itemsize
+    return len(config.stem_layers) * config.vocab_size * config.intermediate_size * itemsize
+
+
 def looks_like_path(name: str) -> bool:
     """Whether `name` can only be a local path: Hub ids are `name` or `owner/name`, not `./x`, `/x`, `~/x`, `a/b/c`."""
     separators = name.count("/") + (name.count(os.sep) if os.sep != "/" else 0)

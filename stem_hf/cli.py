@@ -18,6 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--context-length", type=int, default=2048, help="positions each token attends to")
 
     add_conversion_parsers(commands)
+    store = commands.add_parser(
+        "offload-store", help="write a checkpoint's tables token-major to one file, for StemOffloadEngine(store=...)"
+    )
+    store.add_argument("checkpoint", help="a local STEM checkpoint folder")
+    store.add_argument("--out", help="the store's path (default: CHECKPOINT/stem-offload-store.safetensors)")
 
     _add_eval_parser(commands)
     _add_hub_parsers(commands)
@@ -128,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         from .conversion.cli import run
 
         run(args)
+    elif args.command == "offload-store":
+        from .accounting import check_stem
+        from .offload import write_offload_store
+
+        check_stem(args.checkpoint, hub=False)  # a STEM folder's config, read as JSON, before anything else
+        print(f"wrote {write_offload_store(args.checkpoint, args.out)}")
     elif args.command == "eval":
         run_eval(args)
     elif args.command == "card":

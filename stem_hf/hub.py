@@ -15,6 +15,7 @@ from transformers.utils.hub import create_and_tag_model_card
 
 from .accounting import load_config
 from .model_card import CARD_FILE, MARKER, write_model_card
+from .offload import STORE_NAME
 from .storage_stem import (
     PROVENANCE_FILES,
     SAVE_ID_KEY,
@@ -27,7 +28,8 @@ from .storage_stem import (
 logger = logging.get_logger(__name__)
 
 # Hidden files, temporary files and evaluation results set aside for other weights never go up.
-IGNORE = [".*", "*.tmp", "lm_eval_results.*.json"]
+# The offload store duplicates the tables token-major for serving on this host; `stem-hf offload-store` rebuilds it.
+IGNORE = [".*", "*.tmp", "*.partial", "lm_eval_results.*.json", STORE_NAME]
 WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json", "*.bin"]
 
 

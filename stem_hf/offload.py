@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .accounting import load_config
+from .accounting import available_memory, load_config
 from .storage_stem import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAVE_ID_KEY,
@@ -49,18 +49,6 @@ BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
 # The mapped store's file, beside the checkpoint's weights, and the one tensor in it: `[vocab, stem_layers, d_ff]`.
 STORE_NAME = "stem-offload-store.safetensors"
 STORE_TENSOR = "rows"
-
-
-def available_memory() -> int | None:
-    """Bytes of memory that can be had without swapping (Linux's MemAvailable); None where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class StemHostTables:
@@ -575,7 +563,6 @@ __all__ = [
     "StemOffloadEngine",
     "StemOffloadedRows",
     "StemRowCache",
-    "available_memory",
     "offloaded",
     "write_offload_store",
 ]

@@ -17,6 +17,7 @@ import re
 import secrets
 import shutil
 import struct
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -396,6 +397,10 @@ _SAFETENSORS_DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 # Rows copied per write: what a save of a table larger than memory holds at a time.
 WRITE_BLOCK_BYTES = 64 << 20
+# The largest table file a save writes, whatever `max_shard_size` says: safetensors' loader maps each file
+# copy-on-write, and Linux refuses such a map when it is larger than the host's memory: one file of every table of a
+# large model would not load.
+TABLE_SHARD_BYTES = 5 * 10**9
 
 
 def block_rows(
@@ -460,6 +465,15 @@ class StemSafetensorsWriter:
         self.close()
 
 
+def _private_map(fileno: int) -> mmap.mmap:
+    """A copy-on-write map of a whole file. Linux charges a writable private map against memory when it is made and
+    refuses one larger than RAM unless told not to reserve (`MAP_NORESERVE`): pages are copied only when written."""
+    if os.name == "nt":
+        return mmap.mmap(fileno, 0, access=mmap.ACCESS_COPY)
+    noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+    return mmap.mmap(fileno, 0, flags=mmap.MAP_PRIVATE | noreserve, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 def map_safetensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as a copy-on-write memory map of it (after `read_safetensors_header`'s
     checks): pages are read in as they are used, and a write to a tensor copies the pages it touches instead of
@@ -468,7 +482,7 @@ def map_safetensors(path: str) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         (header_size,) = struct.unpack("<Q", f.read(8))
         data = header_size + 8
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.path.getsize(path) > data else None
+        buffer = _private_map(f.fileno()) if os.path.getsize(path) > data else None
     tensors = {}
     for name, entry in header.items():
         dtype = _TORCH_DTYPES.get(entry["dtype"])
@@ -487,9 +501,10 @@ def table_shards(
     shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, max_shard_size: int | str, variant: str | None = None
 ) -> dict[str, list[str]]:
     """The table files a save writes, `{file: [table names]}`: tables in layer order, packed greedily into files of
-    at most `max_shard_size` bytes (a table larger than that gets a file of its own), named as transformers names
-    shards."""
+    at most `max_shard_size` bytes and never more than `TABLE_SHARD_BYTES` (a table larger than that gets a file of its
+    own), named as transformers names shards."""
     limit = _transformers_name("transformers.utils.hub", "convert_file_size_to_int")(max_shard_size)
+    limit = min(limit, TABLE_SHARD_BYTES)
     shards, size = [[]], 0
     for name in sorted(shapes, key=lambda n: int(TABLE_KEY.search(n).group(1))):
         nbytes = math.prod(shapes[name]) * dtype.itemsize
@@ -1151,6 +1166,7 @@ __all__ = [
     "StemTableRows",
     "StemTables",
     "TABLES_NAME",
+    "TABLE_SHARD_BYTES",
     "WRITE_BLOCK_BYTES",
     "advise_random_access",
     "block_rows",

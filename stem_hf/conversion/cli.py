@@ -47,6 +47,17 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
     )
+    convert.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="build the tables in memory and save at the end (default without healing: stream them to OUT as made)",
+    )
+    convert.add_argument("--max-shard-size", default="50GB", help='largest weight file, e.g. "5GB" (default: 50GB)')
+    convert.add_argument(
+        "--offload-store",
+        action="store_true",
+        help="also write the token-major offload store (stem-hf offload-store) into OUT",
+    )
     _add_text_options(convert)
 
 
@@ -150,6 +161,7 @@ def run_convert(args: argparse.Namespace) -> dict:
 
     torch.set_flush_denormal(True)  # dequantized checkpoints hold denormals, which CPUs multiply slowly
     table_dtype = DTYPE_ALIASES.get(args.table_dtype, args.table_dtype)
+    max_shard_size = _shard_size(args.max_shard_size)
     # Checked before anything loads: the source, OUT, --stem-layers (from the source's config alone), the tokenizer.
     planned = check_source_and_out(args.source, args.out, args.stem_layers, table_dtype)
     found = model_files(args.out)
@@ -186,9 +198,25 @@ def run_convert(args: argparse.Namespace) -> dict:
         heldout_name=", ".join(args.heldout) if args.heldout is not None else CORPUS_NAMES["heldout"],
         base_model=args.base_model,
         license=args.license,
+        stream=False if args.in_memory else None,
+        max_shard_size=max_shard_size,
+        offload_store=args.offload_store,
     )
     print(json.dumps(report, indent=2))
     return report
+
+
+def _shard_size(size: str) -> str | int:
+    """`--max-shard-size` checked before anything loads: bytes, or a size like "5GB"."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        value = int(size) if size.isdigit() else size
+        if convert_file_size_to_int(value) <= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f'--max-shard-size {size!r}: not a size (bytes, or e.g. "5GB", "500MB")') from None
+    return value
 
 
 def _texts(args: argparse.Namespace) -> tuple[list[str], list[str]]:

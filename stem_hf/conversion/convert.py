@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import StemConfig, StemForCausalLM
-from ..accounting import num_active_parameters, num_table_parameters
+from ..accounting import available_memory, num_active_parameters, num_table_parameters, table_bytes
 from ..offload import write_offload_store
 from .heal import heal
 from .init_tables import init_tables
@@ -21,7 +21,7 @@ from .plan import ConversionPlan
 from .refit import refit
 from .report import ConversionReport, perplexity
 from .save import StemTableStream, save_conversion
-from .sources import Source, check_source_and_out, open_source, stem_from_dense
+from .sources import Source, check_source_and_out, open_source, stem_config_from_dense, stem_from_dense
 from .text import Chunks, ConversionText, prefix_ids
 
 __all__ = ["convert", "run_conversion"]
@@ -110,6 +110,8 @@ def run_conversion(
     streamed = out is not None and plan.stream
     # A dense model loaded here and never written to (no refit, no healing) lends the STEM model its tensors.
     share = isinstance(source, (str, os.PathLike)) and plan.refit == "none" and not plan.heal_tokens
+    if not isinstance(source, (str, os.PathLike)):  # a loaded model: its config is at hand only now
+        _check_tables_fit(stem_config_from_dense(dense.model.config, plan.stem_layers, plan.table_dtype), streamed)
     stem = stem_from_dense(dense.model, plan.stem_layers, plan.table_dtype, not streamed, share)
     with StemTableStream(out, stem, plan.max_shard_size) if streamed else nullcontext() as stream:
         chunks, prefix = _cut_text(text, dense.tokenizer, stem.config, plan)
@@ -142,6 +144,19 @@ def _check_before_loading(
     planned = check_source_and_out(source, out, plan.stem_layers, plan.table_dtype)
     if planned is not None:
         plan.check_calibration(planned.stem_layers, bool(text.calibration))
+        _check_tables_fit(planned, streamed=out is not None and plan.stream)
+
+
+def _check_tables_fit(config: StemConfig, streamed: bool) -> None:
+    """Raises where a conversion would hold tables larger than the memory available: one that does not stream them
+    (no output folder, healing, or `stream=False`)."""
+    needed, available = table_bytes(config), available_memory()
+    if not streamed and available is not None and needed > available:
+        raise MemoryError(
+            f"the tables take {needed / 2**30:.1f} GiB and {available / 2**30:.1f} GiB of memory are available: a "
+            "conversion that keeps them in memory (no output folder, healing, or stream=False / --in-memory) cannot "
+            "hold them; convert to an output folder without healing, which streams them to disk"
+        )
 
 
 def _cut_text(
