@@ -70,14 +70,49 @@ def summarize(config: StemConfig, context_length: int = 2048) -> dict:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory that can be had without swapping (Linux's MemAvailable); None where the kernel does not say."""
+    """Bytes of memory that can be had without swapping: Linux's MemAvailable, or less where this process's cgroup
+    (a container) is limited to less; None where the kernel does not say."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except OSError:
         return None
+    limit = _cgroup_room()
+    return limit if available is None or (limit is not None and limit < available) else available
+
+
+def _cgroup_v2_group() -> str:
+    """This process's cgroup v2 path ("/" where there is none)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            return next((line.strip()[3:] for line in f if line.startswith("0::")), "/")
+    except OSError:
+        return "/"
+
+
+def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup memory limit leaves: the limit less the usage, less page cache the kernel can drop
+    (inactive file pages, as `docker stats` counts), for cgroup v2, else v1 as a container sees it; None without a
+    limit."""
+    v2, v1 = os.path.join(root, _cgroup_v2_group().lstrip("/")), os.path.join(root, "memory")
+    for folder, limit_name, usage_name, inactive_key in (
+        (v2, "memory.max", "memory.current", "inactive_file"),
+        (v1, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    ):
+        try:
+            with open(os.path.join(folder, limit_name)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(folder, usage_name)) as f:
+                usage = int(f.read().strip())
+            with open(os.path.join(folder, "memory.stat")) as f:
+                stat = dict(line.split() for line in f if line.strip())
+        except (OSError, ValueError):
+            continue
+        if limit != "max" and int(limit) < 2**60:  # v1 writes "no limit" as a huge number
+            return max(0, int(limit) - usage + int(stat.get(inactive_key, 0)))
     return None
 
 

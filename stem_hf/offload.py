@@ -21,7 +21,10 @@ the same engine serves rows from host memory (no copy): the plain CPU gather pat
 """
 
 import json
+import math
 import os
+import shutil
+import struct
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -42,6 +45,7 @@ from .storage_stem import (
     block_rows,
     check_checkpoint_files,
     map_safetensors,
+    read_safetensors_header,
     read_safetensors_metadata,
 )
 
@@ -128,20 +132,43 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
         _read_store_metadata(path)  # refuses to replace a file that is not an offload store
     shape = (config.vocab_size, len(layers), config.intermediate_size)
     metadata = {"format": "pt", "stem_layers": json.dumps(layers), **({SAVE_ID_KEY: save_id} if save_id else {})}
+    _check_free_space(path, math.prod(shape) * dtype.itemsize)
     partial = path + ".partial"
     lock = os.open(partial, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         _lock_or_refuse(lock, partial)
-        with StemSafetensorsWriter(partial, {STORE_TENSOR: shape}, dtype, metadata) as writer:
-            step = block_rows(shape, dtype)
-            for start in tqdm(range(0, shape[0], step), desc="STEM offload store", unit="block"):
-                block = torch.stack([tables[layer][start : start + step] for layer in layers], dim=1)
-                writer.write(STORE_TENSOR, start, block)
-            os.fsync(writer.fd)
-        os.replace(partial, path)
+        try:
+            with StemSafetensorsWriter(partial, {STORE_TENSOR: shape}, dtype, metadata) as writer:
+                step = block_rows(shape, dtype)
+                for start in tqdm(range(0, shape[0], step), desc="STEM offload store", unit="block"):
+                    block = torch.stack([tables[layer][start : start + step] for layer in layers], dim=1)
+                    writer.write(STORE_TENSOR, start, block)
+                os.fsync(writer.fd)
+            os.replace(partial, path)
+        except BaseException:
+            os.remove(partial)  # as large as the tables: a failed or interrupted write leaves nothing behind
+            raise
     finally:
         os.close(lock)
     return path
+
+
+def _check_free_space(path: str, nbytes: int) -> None:
+    """Refuses before writing where the filesystem of `path` has less than `nbytes` free (a file already at `path`,
+    which the new one replaces, counts as free)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free + (os.path.getsize(path) if os.path.isfile(path) else 0)
+    if free < nbytes:
+        raise OSError(
+            f"{path}: the offload store takes {nbytes / 1e9:.1f} GB and {folder} has {free / 1e9:.1f} GB free"
+        )
+
+
+def _tensor_offset(path: str, name: str) -> int:
+    """The byte offset in a safetensors file at which tensor `name`'s data begins."""
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+    return 8 + header_size + read_safetensors_header(path)[name]["data_offsets"][0]
 
 
 def _lock_or_refuse(fd: int, path: str) -> None:
@@ -204,7 +231,7 @@ class StemMappedTables:
                 "tables changed since; write the store again with `stem-hf offload-store CHECKPOINT`"
             )
         self.slot = {layer: i for i, layer in enumerate(self.layers)}
-        self.offset = os.path.getsize(self.path) - self.nbytes  # where row 0 begins: the file ends with the rows
+        self.offset = _tensor_offset(self.path, STORE_TENSOR)  # where row 0 begins in the file
         self.will_need = will_need and hasattr(os, "posix_fadvise")
         self._fd = os.open(self.path, os.O_RDONLY) if self.will_need else None
         advise_random_access(self.data)

@@ -13,6 +13,7 @@ import json
 import math
 import mmap
 import os
+import platform
 import re
 import secrets
 import shutil
@@ -403,10 +404,10 @@ WRITE_BLOCK_BYTES = 64 << 20
 TABLE_SHARD_BYTES = 5 * 10**9
 
 
-def block_rows(
-    tensor_shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, block_bytes: int = WRITE_BLOCK_BYTES
-) -> int:
-    """Rows of a tensor of `tensor_shape` that make about `block_bytes` in `dtype` (at least one)."""
+def block_rows(tensor_shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, block_bytes: int | None = None) -> int:
+    """Rows of a tensor of `tensor_shape` that make about `block_bytes` (default `WRITE_BLOCK_BYTES`) in `dtype`, at
+    least one."""
+    block_bytes = WRITE_BLOCK_BYTES if block_bytes is None else block_bytes
     return max(1, block_bytes // max(1, math.prod(tensor_shape[1:]) * dtype.itemsize))
 
 
@@ -432,14 +433,22 @@ class StemSafetensorsWriter:
         header += b" " * (-len(header) % 8)
         self.path, self.dtype, self.shapes = path, dtype, {name: tuple(shape) for name, shape in shapes.items()}
         self.begin = {name: 8 + len(header) + entry["data_offsets"][0] for name, entry in entries.items()}
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-        self._pwrite(struct.pack("<Q", len(header)) + header, 0)
-        os.ftruncate(self.fd, 8 + len(header) + size)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
+        try:
+            self._pwrite(struct.pack("<Q", len(header)) + header, 0)
+            os.ftruncate(self.fd, 8 + len(header) + size)
+        except BaseException:
+            self.close()
+            raise
 
     def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
         data = memoryview(data)
         while len(data):  # one call may write less than asked (Linux caps a call near 2 GiB)
-            written = os.pwrite(self.fd, data, offset)
+            if hasattr(os, "pwrite"):
+                written = os.pwrite(self.fd, data, offset)
+            else:  # Windows: no positioned write; this writer is not shared between threads
+                os.lseek(self.fd, offset, os.SEEK_SET)
+                written = os.write(self.fd, data)
             data, offset = data[written:], offset + written
 
     def write(self, name: str, first_row: int, rows: torch.Tensor) -> None:
@@ -465,12 +474,18 @@ class StemSafetensorsWriter:
         self.close()
 
 
+# Python's mmap module names MAP_NORESERVE only from 3.13 on; Linux's value, which a few architectures change.
+_LINUX_MAP_NORESERVE = {"ppc": 0x40, "ppc64": 0x40, "ppc64le": 0x40, "sparc": 0x40, "sparc64": 0x40}.get(
+    platform.machine(), 0x400 if platform.machine().startswith("mips") else 0x4000
+)
+
+
 def _private_map(fileno: int) -> mmap.mmap:
     """A copy-on-write map of a whole file. Linux charges a writable private map against memory when it is made and
     refuses one larger than RAM unless told not to reserve (`MAP_NORESERVE`): pages are copied only when written."""
     if os.name == "nt":
         return mmap.mmap(fileno, 0, access=mmap.ACCESS_COPY)
-    noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+    noreserve = getattr(mmap, "MAP_NORESERVE", _LINUX_MAP_NORESERVE if sys.platform.startswith("linux") else 0)
     return mmap.mmap(fileno, 0, flags=mmap.MAP_PRIVATE | noreserve, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 

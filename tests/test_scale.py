@@ -93,6 +93,42 @@ def test_a_streamed_conversion_never_holds_a_table(tmp_path, monkeypatch):
     assert {device for *_, device in seen} == {"meta"}
 
 
+@pytest.mark.parametrize("recipe", ["fitted", "mean"])
+def test_calibration_in_layer_groups_writes_the_same_checkpoint(recipe, tmp_path, monkeypatch):
+    """Where the statistics of every layer at once do not fit half the memory available, they are gathered a group of
+    layers at a time, one pass over the text each: the tables come out the same, byte for byte."""
+    convert_module = sys.modules["stem_hf.conversion.convert"]  # the package exports the function of that name
+    _cli_source(tmp_path)
+    recipe = {**RECIPES[recipe], "stem_layers": "full", "prior_context": " w5 w6"}
+    kwargs = dict(calibration=CALIBRATION, heldout=HELDOUT, max_shard_size=9000, **recipe)
+    torch.manual_seed(0)
+    whole, grouped = tmp_path / "whole" / "out", tmp_path / "grouped" / "out"  # the card names the folder
+    _, whole_report = convert(str(tmp_path / "src"), whole, **kwargs)
+    passes, calibrate = [], init_tables_module.calibrate
+
+    def counted(dense, chunks, layers, *args):
+        passes.append(list(layers))
+        return calibrate(dense, chunks, layers, *args)
+
+    monkeypatch.setattr(init_tables_module, "calibrate", counted)
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 1000)  # less than one layer's statistics
+    torch.manual_seed(0)
+    _, grouped_report = convert(str(tmp_path / "src"), grouped, **kwargs)
+    assert passes == [[1], [2], [3]]  # "full": every layer but the first
+    assert sorted(os.listdir(whole)) == sorted(os.listdir(grouped))
+    for name in os.listdir(whole):
+        assert _normalized(whole / name, whole_report, whole) == _normalized(grouped / name, grouped_report, grouped)
+
+
+def test_layer_groups_fit_the_budget():
+    from stem_hf.conversion.init_tables import layer_groups
+
+    assert layer_groups([1, 2, 3], 10, None) == [[1, 2, 3]]
+    assert layer_groups([1, 2, 3], 10, 25) == [[1, 2], [3]]
+    assert layer_groups([1, 2, 3], 10, 5) == [[1], [2], [3]]  # one layer a group at worst
+    assert layer_groups([1, 2, 3], 10, 10**9) == [[1, 2, 3]]
+
+
 def test_a_failed_streamed_conversion_leaves_the_old_checkpoint_and_no_staging(tmp_path, monkeypatch):
     _cli_source(tmp_path)
     out = tmp_path / "out"
@@ -120,8 +156,7 @@ def test_streaming_refuses_healing_and_in_memory_tables_larger_than_memory(tmp_p
     assert ConversionPlan(init="projected", heal_tokens=10).stream is False
     assert ConversionPlan(init="projected").stream is True
     _cli_source(tmp_path)
-    from stem_hf.conversion import convert as convert_module
-
+    convert_module = sys.modules["stem_hf.conversion.convert"]  # the package exports the function of that name
     monkeypatch.setattr(convert_module, "available_memory", lambda: 1000)
     with pytest.raises(MemoryError, match="streams them to disk"):  # refused before the source loads
         convert(str(tmp_path / "src"), None, stem_layers="1/2", init="projected", refit="none")
@@ -227,7 +262,7 @@ def test_a_truncated_mismatched_or_stale_store_is_refused(saved, tmp_path):
     with pytest.raises(ValueError, match=r"stem_layers \[1, 3\] but the model's config says \[1, 2\]"):
         StemOffloadEngine(other, store=path)
     with pytest.raises(ValueError, match="table_dtype bfloat16 but the model's config says float32"):
-        StemOffloadEngine(sensitive_model(), store=path)
+        StemOffloadEngine(sensitive_model(table_dtype="float32"), store=path)
     with pytest.raises(ValueError, match="int8, dtype and free_tables"):
         StemOffloadEngine(model, store=path, int8=True)
     model.save_pretrained(folder)  # a new save: the store no longer describes the checkpoint's weights
@@ -280,3 +315,77 @@ def test_the_scale_benchmark_runs_every_step_quickly(tmp_path):
     assert quick["serve"]["memory"]["anon_growth_engine_GiB"] >= 0.9 * tables  # a copy in memory
     assert quick["serve"]["mapped"]["anon_growth_engine_GiB"] <= 0.1 * tables  # a map
     assert not os.listdir(tmp_path / "work")  # removed without --keep
+
+
+def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):
+    from stem_hf import accounting
+
+    monkeypatch.setattr(accounting, "_cgroup_v2_group", lambda: "/job")
+    (tmp_path / "job").mkdir()
+    assert accounting._cgroup_room(str(tmp_path)) is None  # no limit files
+    (tmp_path / "job" / "memory.max").write_text("max\n")
+    (tmp_path / "job" / "memory.current").write_text("600\n")
+    (tmp_path / "job" / "memory.stat").write_text("anon 400\ninactive_file 150\n")
+    assert accounting._cgroup_room(str(tmp_path)) is None  # v2 without a limit
+    (tmp_path / "job" / "memory.max").write_text("1000\n")
+    assert accounting._cgroup_room(str(tmp_path)) == 1000 - 600 + 150  # droppable page cache counts as room
+    for name in ("memory.max", "memory.current", "memory.stat"):
+        (tmp_path / "job" / name).unlink()
+    (tmp_path / "memory").mkdir()  # v1, as a container sees it
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text("600\n")
+    (tmp_path / "memory" / "memory.stat").write_text("total_inactive_file 50\n")
+    assert accounting._cgroup_room(str(tmp_path)) is None  # v1's "no limit"
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("2000\n")
+    assert accounting._cgroup_room(str(tmp_path)) == 2000 - 600 + 50
+    monkeypatch.setattr(accounting, "_cgroup_room", lambda: 1)
+    assert accounting.available_memory() == 1
+
+
+def test_a_failed_store_write_leaves_no_partial_file_and_a_full_disk_is_refused_first(saved, monkeypatch):
+    from collections import namedtuple
+
+    from stem_hf import offload, storage_stem
+
+    folder, _ = saved
+    monkeypatch.setattr(storage_stem, "WRITE_BLOCK_BYTES", 1000)
+    calls, original = [], StemSafetensorsWriter.write
+
+    def fail(self, *args):
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        original(self, *args)
+
+    monkeypatch.setattr(StemSafetensorsWriter, "write", fail)
+    with pytest.raises(KeyboardInterrupt):
+        write_offload_store(folder)
+    assert not [p for p in os.listdir(folder) if "offload" in p]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(OSError, match="the offload store takes .* GB free"):
+        write_offload_store(folder)
+
+
+def test_a_conversion_is_refused_before_loading_where_the_disk_cannot_hold_its_tables(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    convert_module = sys.modules["stem_hf.conversion.convert"]
+    _cli_source(tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(convert_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    monkeypatch.setattr(convert_module, "open_source", lambda *a: pytest.fail("loaded before the disk check"))
+    with pytest.raises(OSError, match="the tables and the offload store take"):
+        convert(str(tmp_path / "src"), tmp_path / "out" / "deeper", stem_layers="1/2", init="projected",
+                refit="none", offload_store=True)  # fmt: skip
+    with pytest.raises(ValueError, match="give an output folder"):
+        convert(str(tmp_path / "src"), None, init="projected", refit="none", offload_store=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_table_stream_left_without_its_weights_commits_nothing(tmp_path):
+    model = sensitive_model(table_dtype="bfloat16")
+    with pytest.raises(RuntimeError, match="ended before save_weights"):
+        with StemTableStream(tmp_path / "out", model) as stream:
+            stream.write(1, 0, torch.zeros(4, 64))
+    assert os.listdir(tmp_path) == []

@@ -5,6 +5,7 @@ The driver: each step is a call into the module that does it (`sources`, `text`,
 """
 
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -111,14 +112,17 @@ def run_conversion(
     # A dense model loaded here and never written to (no refit, no healing) lends the STEM model its tensors.
     share = isinstance(source, (str, os.PathLike)) and plan.refit == "none" and not plan.heal_tokens
     if not isinstance(source, (str, os.PathLike)):  # a loaded model: its config is at hand only now
-        _check_tables_fit(stem_config_from_dense(dense.model.config, plan.stem_layers, plan.table_dtype), streamed)
+        planned = stem_config_from_dense(dense.model.config, plan.stem_layers, plan.table_dtype)
+        _check_tables_fit(planned, streamed)
+        _check_disk(planned, out, plan.offload_store)
     stem = stem_from_dense(dense.model, plan.stem_layers, plan.table_dtype, not streamed, share)
     with StemTableStream(out, stem, plan.max_shard_size) if streamed else nullcontext() as stream:
         chunks, prefix = _cut_text(text, dense.tokenizer, stem.config, plan)
         write = stream.write if stream is not None else None
         calibration = init_tables(
-            dense.model, stem, plan.init, chunks.calibration, plan.shrink, prior_prefix=prefix, write=write
-        )
+            dense.model, stem, plan.init, chunks.calibration, plan.shrink, prior_prefix=prefix, write=write,
+            memory_budget=_calibration_budget(stem.config, streamed),
+        )  # fmt: skip
         if stream is not None:
             stream.map_tables()
         trained = _refit(dense.model, stem, chunks.calibration, plan)
@@ -141,10 +145,38 @@ def _check_before_loading(
     """What can be refused before the weights load (`check_source_and_out`; the calibration text the plan needs)."""
     if plan.heal_tokens and not text.calibration:
         raise ValueError("heal_tokens: healing distils on calibration text, and none was given (--calibration)")
+    if out is None and plan.offload_store:
+        raise ValueError("offload_store: the store is written beside a saved checkpoint; give an output folder")
     planned = check_source_and_out(source, out, plan.stem_layers, plan.table_dtype)
     if planned is not None:
         plan.check_calibration(planned.stem_layers, bool(text.calibration))
         _check_tables_fit(planned, streamed=out is not None and plan.stream)
+        _check_disk(planned, out, plan.offload_store)
+
+
+def _check_disk(config: StemConfig, out: str | os.PathLike | None, offload_store: bool) -> None:
+    """Raises where the filesystem of `out` has less room than the tables (twice that with the offload store): files
+    are made at full size up front and filled as the rows come, so a full disk would show only hours in."""
+    if out is None or not config.stem_layers:
+        return
+    folder = os.path.abspath(out)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    needed, free = table_bytes(config) * (2 if offload_store else 1), shutil.disk_usage(folder).free
+    if free < needed:
+        raise OSError(
+            f"{out}: the tables{' and the offload store' if offload_store else ''} take {needed / 1e9:.1f} GB and "
+            f"{folder} has {free / 1e9:.1f} GB free"
+        )
+
+
+def _calibration_budget(config: StemConfig, streamed: bool) -> int | None:
+    """Bytes the calibrated inits may hold statistics in: half the memory available, less the tables a conversion
+    in memory is about to fill (allocated, so not yet counted as used)."""
+    available = available_memory()
+    if available is None:
+        return None
+    return max(0, available - (0 if streamed else table_bytes(config))) // 2
 
 
 def _check_tables_fit(config: StemConfig, streamed: bool) -> None:

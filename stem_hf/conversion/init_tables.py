@@ -16,21 +16,22 @@ from functools import partial
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers.utils import logging
 
 from ..storage_stem import xavier_normal_std
 from .calibrate import LayerStats, calibrate, context_inputs
 from .options import CALIBRATED_INITS
 
-__all__ = ["ROW_BLOCK", "calibrated_rows", "init_tables", "projected_rows", "ridge_map"]
+__all__ = ["ROW_BLOCK", "calibrated_rows", "init_tables", "layer_groups", "projected_rows", "ridge_map"]
 
 ROW_BLOCK = 4096  # table rows computed at a time: bounds the fp32 working set
+logger = logging.get_logger(__name__)
 
 
 @dataclass
 class _Calibration:
     seen: torch.Tensor  # the distinct tokens of the calibration text past position 0
     slots: torch.Tensor  # [vocab] -> row of the statistics' accumulators, -1 for an unseen token
-    stats: dict[int, LayerStats]
     tokens: int
 
     def info(self, vocab: int) -> dict:
@@ -42,7 +43,7 @@ class _Calibration:
         }
 
 
-def _calibrate(dense: nn.Module, chunks: list[torch.Tensor], layers: list[int], init: str, vocab: int) -> _Calibration:
+def _seen_tokens(chunks: list[torch.Tensor], init: str, vocab: int) -> _Calibration:
     if not chunks:
         raise ValueError(f"init {init!r} needs calibration text (--calibration)")
     ids = torch.cat([c[1:] for c in chunks])
@@ -51,8 +52,15 @@ def _calibrate(dense: nn.Module, chunks: list[torch.Tensor], layers: list[int], 
     seen = torch.unique(ids)
     slots = torch.full((vocab,), -1, dtype=torch.long)
     slots[seen] = torch.arange(len(seen))
-    stats = calibrate(dense, chunks, layers, slots.clamp(min=0), init == "fitted")
-    return _Calibration(seen, slots, stats, sum(len(c) for c in chunks))
+    return _Calibration(seen, slots, sum(len(c) for c in chunks))
+
+
+def layer_groups(layers: list[int], layer_bytes: int, budget: int | None) -> list[list[int]]:
+    """`layers` in order, in groups whose calibration state (`layer_bytes` each) fits `budget` bytes: one group when
+    it all fits or no budget is known, one layer a group at worst. Each group costs a pass over the calibration text
+    (and the vocabulary, with a prior context); the rows do not depend on the grouping."""
+    size = len(layers) if budget is None else max(1, min(len(layers), budget // max(1, layer_bytes)))
+    return [layers[i : i + size] for i in range(0, len(layers), size)]
 
 
 @torch.inference_mode()
@@ -66,13 +74,16 @@ def init_tables(
     layers: list[int] | None = None,
     prior_prefix: list[int] | None = None,
     write: Callable[[int, int, torch.Tensor], None] | None = None,
+    memory_budget: int | None = None,
 ) -> dict:
     """Sets every table of `stem` (or those of `layers`) from `dense`, `ROW_BLOCK` rows at a time, each block cast to
     the table dtype and handed to `write(layer, first_row, rows)` (default: into the model's table; a conversion that
     streams its tables to disk passes `StemTableStream.write`). Returns calibration facts for the report.
     `prior_prefix` (token ids, for `mean` and `fitted`): the fallback that rare and unseen tokens' rows lean on is a
     ridge map from the token's input embedding and its FFN input after this prefix (`context_inputs`), not from the
-    embedding alone."""
+    embedding alone. `memory_budget` (bytes; default: no limit): the calibrated inits hold their statistics (and
+    prior-context inputs) for as many layers at a time as fit it (`layer_groups`), at the cost of a pass over the text
+    per group."""
     layers = stem.config.stem_layers if layers is None else layers
     vocab, width = stem.config.vocab_size, stem.config.intermediate_size
     dtype = getattr(torch, stem.config.table_dtype)
@@ -91,23 +102,32 @@ def init_tables(
             block = dense.model.layers[layer]
             _fill(partial(write, layer), vocab, dtype, lambda rows: projected_rows(block, embed, rows))  # noqa: B023
         return uncalibrated
-    calibration = _calibrate(dense, chunks, layers, init, vocab)
-    context = None
-    if prior_prefix is not None:
-        context = context_inputs(dense, layers, prior_prefix, vocab)
-        embed_features = embed[:vocab].float().cpu()  # beside each layer's context inputs, which live on the CPU
+    calibration = _seen_tokens(chunks, init, vocab)
+    hidden = dense.config.hidden_size
+    layer_bytes = 4 * (len(calibration.seen) * (hidden + (2 * width if init == "fitted" else 0)))
+    layer_bytes += 4 * vocab * hidden if prior_prefix is not None else 0  # the layer's FFN inputs after the prefix
+    groups = layer_groups(layers, layer_bytes, memory_budget)
+    if len(groups) > 1:
+        logger.warning(
+            f"calibrating {len(layers)} layers in {len(groups)} groups of at most {len(groups[0])}, one pass over the "
+            "text each: their statistics at once would not fit half the memory available"
+        )
+    embed_features = embed[:vocab].float().cpu()  # beside each layer's context inputs, which live on the CPU
     bos = stem.config.bos_token_id if all(c[0] == stem.config.bos_token_id for c in chunks) else None
-    for layer in tqdm(layers, desc=f"{init} tables", unit="layer"):
-        stats = calibration.stats[layer]
-        features = embed if context is None else torch.cat([embed_features, context.pop(layer)], dim=1)
-        mean_x = stats.sum_x[: len(calibration.seen)] / stats.count[: len(calibration.seen), None].clamp(min=1)
-        fallback = ridge_map(features, calibration.seen, mean_x, stats.count, ridge)
-        mlp, slots = dense.model.layers[layer].mlp, calibration.slots
+    for group in groups:
+        all_stats = calibrate(dense, chunks, group, calibration.slots.clamp(min=0), init == "fitted")
+        context = context_inputs(dense, group, prior_prefix, vocab) if prior_prefix is not None else None
+        for layer in tqdm(group, desc=f"{init} tables", unit="layer"):
+            stats = all_stats.pop(layer)
+            features = embed if context is None else torch.cat([embed_features, context.pop(layer)], dim=1)
+            mean_x = stats.sum_x[: len(calibration.seen)] / stats.count[: len(calibration.seen), None].clamp(min=1)
+            fallback = ridge_map(features, calibration.seen, mean_x, stats.count, ridge)
+            mlp, slots = dense.model.layers[layer].mlp, calibration.slots
 
-        def rows_of(rows: slice) -> torch.Tensor:
-            return calibrated_rows(mlp, stats, slots, fallback, features, rows, init, shrink, bos)  # noqa: B023
+            def rows_of(rows: slice) -> torch.Tensor:
+                return calibrated_rows(mlp, stats, slots, fallback, features, rows, init, shrink, bos)  # noqa: B023
 
-        _fill(partial(write, layer), vocab, dtype, rows_of)
+            _fill(partial(write, layer), vocab, dtype, rows_of)
     return calibration.info(vocab)
 
 

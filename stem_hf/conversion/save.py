@@ -88,8 +88,12 @@ class StemTableStream:
 
     def __exit__(self, *exc) -> bool | None:
         self._close()
+        if exc[0] is None and not self.saved:  # tables without config or index are no checkpoint: commit nothing
+            error = RuntimeError(f"{self.out}: the table stream ended before save_weights; nothing was saved")
+            self._staged.__exit__(RuntimeError, error, None)
+            raise error
         suppressed = self._staged.__exit__(*exc)
-        if exc[0] is None and self.saved:
+        if exc[0] is None:
             write_model_card(self.out)
         return suppressed
 
