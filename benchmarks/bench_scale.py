@@ -15,12 +15,13 @@ Cases (each step runs in a fresh interpreter that samples its own /proc/self/sta
 
 Measured per case: conversion peak RSS (anonymous, and total with mapped file pages) against table bytes; the store's
 write; the serving process's anonymous RSS growth against table bytes with the mapped store (and with the in-memory
-store where it fits); cold gathers (page cache dropped with posix_fadvise DONTNEED) with and without the read hints,
-with no advice at all, and from the per-layer tables, against the disk's best sequential read rate measured in the
-same run (one synchronous reader, and the range advised WILLNEED first so that many requests are in flight); warm
-gathers against a memcpy of the same bytes; decode tokens/s cold with the model's own mapped tables and with the
-mapped store. Disk: the large case needs ~60 GB under --work (source 1.1 GB, checkpoint 30.2 GB, store
-28.4 GB); all of it is removed at the end unless --keep. Wall time: ~5 min large, a few minutes small.
+store where it fits); cold gathers (page cache dropped with posix_fadvise DONTNEED) with the read hints, with
+random-access advice alone, with no advice at all, and from the per-layer tables, against two rates of the disk
+measured in the same run: sequential (one synchronous reader, and the range advised WILLNEED first so that many
+requests are in flight) and one token's rows at random offsets, 16 reads in flight; warm gathers against a memcpy of
+the same bytes; decode tokens/s cold with the model's own mapped tables and with the mapped store. Disk: the large
+case needs ~60 GB under --work (source 1.1 GB, checkpoint 30.2 GB, store 28.4 GB); all of it is removed at the end
+unless --keep (after a killed run: rm -rf runs/bench_scale). Wall time on 2 cores: 15 to 20 min (large 10 to 12).
 Results: benchmarks/results/bench_scale.json (--quick: bench_scale_quick.json).
 """
 
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -236,17 +238,20 @@ def _sequential_read(path: str, offset: int, nbytes: int, ahead: bool) -> float:
     return done / seconds / 1e9
 
 
-def step_gather(checkpoint: str, tokens: int, read_bytes: int) -> dict:
-    """Gathers of `tokens` distinct random tokens' rows for all layers: from the mapped store cold (with and without
-    the read hints) and warm, from the per-layer tables cold; against a memcpy of the same bytes and the disk's
-    sequential read rate over `read_bytes` of the store file. Each cold run draws fresh tokens after dropping the page
-    cache."""
+def step_gather(checkpoint: str, tokens: int, read_bytes: int, repeats: int = 3) -> dict:
+    """Gathers of `tokens` distinct random tokens' rows for all layers: from the mapped store cold (with the read
+    hints, with random-access advice alone, with no advice) and warm, from the per-layer tables cold; against a memcpy
+    of the same bytes, the disk's sequential read rate over `read_bytes` of the store file, and its rate for reads of
+    one token's rows at random offsets, 16 in flight (preads into the same buffer). Each cold run draws fresh tokens
+    after dropping the page cache; the cold store runs and the random reads take turns, `repeats` times, and report
+    their median (every run is kept too: the disk's rate moves from run to run)."""
     from stem_hf.offload import STORE_NAME, StemMappedTables
     from stem_hf.storage_stem import map_safetensors
 
     torch.set_num_threads(os.cpu_count())
     path = os.path.join(checkpoint, STORE_NAME)
     hinted, plain = StemMappedTables(path), StemMappedTables(path, will_need=False)
+    unadvised = map_safetensors(path)["rows"]  # the kernel's default read-ahead, no hint at all
     vocab, row = hinted.vocab_size, hinted.row_bytes()
     generator = torch.Generator().manual_seed(2)
 
@@ -254,19 +259,36 @@ def step_gather(checkpoint: str, tokens: int, read_bytes: int) -> dict:
         return torch.randperm(vocab, generator=generator)[:tokens].sort().values
 
     out = torch.empty((tokens, *hinted.data.shape[1:]), dtype=hinted.data.dtype)
+    buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
     result = {"tokens": tokens, "row_bytes": row, "gathered_bytes": tokens * row}
-    offset = os.path.getsize(path) - hinted.nbytes
+    offset = hinted.offset
     result["disk_sequential_read_GBps"] = _sequential_read(path, offset, read_bytes, ahead=False)
     result["disk_sequential_read_ahead_GBps"] = _sequential_read(path, offset, read_bytes, ahead=True)
-    for name, store in (("cold_hinted", hinted), ("cold_plain", plain)):
-        ids = fresh()
-        evict(path)
-        result[f"{name}_GBps"] = tokens * row / _seconds(lambda: store.gather(ids, out)) / 1e9  # noqa: B023
-    unadvised = map_safetensors(path)["rows"]  # the kernel's default read-ahead, no hint at all
-    ids = fresh()
-    evict(path)
-    seconds = _seconds(lambda: torch.index_select(unadvised, 0, ids, out=out))
-    result["cold_no_advice_GBps"] = tokens * row / seconds / 1e9
+    fd = os.open(path, os.O_RDONLY)
+
+    def random_rows(ids: torch.Tensor) -> None:
+        def read(k: int) -> None:
+            os.preadv(fd, [buffer[k * row : (k + 1) * row]], offset + int(ids[k]) * row)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(read, range(len(ids))))
+
+    cold = {
+        "disk_random_rows": random_rows,
+        "cold_hinted": lambda ids: hinted.gather(ids, out),
+        "cold_plain": lambda ids: plain.gather(ids, out),
+        "cold_no_advice": lambda ids: torch.index_select(unadvised, 0, ids, out=out),
+    }
+    runs = {name: [] for name in cold}
+    for _ in range(repeats):
+        for name, gather in cold.items():
+            ids = fresh()
+            evict(path)
+            runs[name].append(tokens * row / _seconds(lambda: gather(ids)) / 1e9)  # noqa: B023
+    os.close(fd)
+    for name, rates in runs.items():
+        result[f"{name}_GBps"] = sorted(rates)[len(rates) // 2]
+        result[f"{name}_GBps_runs"] = [round(r, 3) for r in rates]
     ids = fresh()
     hinted.gather(ids, out)  # pages in
     result["warm_GBps"] = tokens * row / _seconds(lambda: hinted.gather(ids, out), repeat=5) / 1e9
@@ -363,11 +385,83 @@ def run_case(name: str, source: str, work: str, in_memory: bool, tokens: int, pr
     disk = max(g["disk_sequential_read_GBps"], g["disk_sequential_read_ahead_GBps"])  # the disk's best sequential rate
     for cold in ("hinted", "plain", "no_advice"):
         case["gather"][f"cold_{cold}_over_disk"] = round(g[f"cold_{cold}_GBps"] / disk, 3)
+        case["gather"][f"cold_{cold}_over_random_rows"] = round(g[f"cold_{cold}_GBps"] / g["disk_random_rows_GBps"], 3)
     case["gather"]["cold_hinted_over_per_layer_tables"] = round(
         g["cold_hinted_GBps"] / g["cold_per_layer_tables_GBps"], 1
     )
     case["disk_GiB"] = _gib(sum(os.path.getsize(os.path.join(streamed, f)) for f in os.listdir(streamed)))
     return case
+
+
+def plot(results: dict, path: str) -> None:
+    """Two panels per case: host memory against the tables (conversion peaks, serving growth) and gather speeds
+    against the disk and a memcpy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [name for name in ("small", "large", "quick") if name in results]
+    fig, (memory, speed) = plt.subplots(1, 2, figsize=(13, 5.8))
+    bars = [
+        ("tables", lambda c: c["convert_streamed"]["table_GiB"]),
+        ("convert, streamed", lambda c: c["convert_streamed"]["peak_anon_GiB"]),
+        ("convert, in memory", lambda c: c.get("convert_in_memory", {}).get("peak_anon_GiB")),
+        ("serve, own mapped tables", lambda c: c["serve"]["tables"].get("anon_growth_GiB")),
+        ("serve, mapped store", lambda c: c["serve"]["mapped"].get("anon_growth_GiB")),
+        ("serve, store in memory", lambda c: c["serve"]["memory"].get("anon_growth_GiB")),
+    ]
+    width = 0.8 / len(bars)
+    for i, (label, value) in enumerate(bars):
+        for j, name in enumerate(cases):
+            v = value(results[name])
+            x = j + (i - len(bars) / 2 + 0.5) * width
+            if v is None:
+                memory.text(x, 0.3, "not run" if label.startswith("convert") else "refused", rotation=90, ha="center",
+                            fontsize=7, color="grey")  # fmt: skip
+                continue
+            memory.bar(x, v, width, color=f"C{i}", label=label if j == 0 else None)
+            memory.text(x, v, f"{v:.2f}" if v < 10 else f"{v:.1f}", ha="center", va="bottom", fontsize=6)
+    memory.set_xticks(range(len(cases)), [f"{n}: {results[n]['convert_streamed']['table_GiB']:.1f} GiB of tables"
+                                          for n in cases])  # fmt: skip
+    memory.axhline(results["machine"]["memory_GiB"], color="grey", linestyle=":", linewidth=1)
+    memory.text(len(cases) - 0.55, results["machine"]["memory_GiB"], "host memory", ha="right", va="bottom",
+                color="grey", fontsize=8)  # fmt: skip
+    memory.set_ylabel("GiB (anonymous memory: conversion peak, serving growth)")
+    memory.set_title("Host memory against the tables")
+    memory.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
+    speeds = [
+        (
+            "disk, sequential (best)",
+            lambda g: max(g["disk_sequential_read_GBps"], g["disk_sequential_read_ahead_GBps"]),
+        ),
+        ("disk, random rows (16 in flight)", lambda g: g.get("disk_random_rows_GBps")),
+        ("cold, store, read hints", lambda g: g["cold_hinted_GBps"]),
+        ("cold, store, random-access advice only", lambda g: g["cold_plain_GBps"]),
+        ("cold, store, no advice", lambda g: g.get("cold_no_advice_GBps")),
+        ("cold, per-layer tables", lambda g: g["cold_per_layer_tables_GBps"]),
+        ("warm, store", lambda g: g["warm_GBps"]),
+        ("memcpy", lambda g: g["memcpy_GBps"]),
+    ]
+    width = 0.8 / len(speeds)
+    for i, (label, value) in enumerate(speeds):
+        for j, name in enumerate(cases):
+            v = value(results[name]["gather"])
+            if v is None:
+                continue
+            x = j + (i - len(speeds) / 2 + 0.5) * width
+            speed.bar(x, v, width, color=f"C{i}", label=label if j == 0 else None)
+            speed.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=6)
+    speed.set_yscale("log")
+    speed.set_xticks(range(len(cases)), [f"{n}: {results[n]['gather']['tokens']} random tokens" for n in cases])
+    speed.set_ylabel("GB/s")
+    speed.set_title("Gathering every layer's rows of random tokens")
+    speed.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
+    fig.suptitle(f"Past one host's memory ({results['machine']['cpus']} CPU cores, "
+                 f"{results['machine']['memory_GiB']:.1f} GiB)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -379,10 +473,16 @@ def main() -> None:
     parser.add_argument(
         "--out", default=None, help="results JSON (default: benchmarks/results/bench_scale[_quick].json)"
     )
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON, run nothing")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.step:
         print(json.dumps(STEPS[args.step](**json.loads(rest[0]))))
+        return
+    out = args.out or os.path.join(RESULTS, "bench_scale_quick.json" if args.quick else "bench_scale.json")
+    if args.plot_only:
+        with open(out) as f:
+            plot(json.load(f), os.path.splitext(out)[0] + ".png")
         return
     os.makedirs(args.work, exist_ok=True)
     started = time.perf_counter()
@@ -416,7 +516,6 @@ def main() -> None:
         results[name]["measured_on"] = time.strftime("%Y-%m-%d")
         results[name]["wall_seconds"] = round(time.perf_counter() - case_started, 1)
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
-    out = args.out or os.path.join(RESULTS, "bench_scale_quick.json" if args.quick else "bench_scale.json")
     if os.path.exists(out) and not args.quick:  # a run of some cases keeps the others'
         with open(out) as f:
             results = {**json.load(f), **results}
@@ -424,6 +523,7 @@ def main() -> None:
     with open(out + ".tmp", "w") as f:
         f.write(json.dumps(results, indent=2) + "\n")
     os.replace(out + ".tmp", out)  # whole or not at all
+    plot(results, os.path.splitext(out)[0] + ".png")
     print(json.dumps(results, indent=2))
 
 
