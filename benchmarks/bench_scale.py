@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_scale.py [--cases small large] [--work runs/bench
        python benchmarks/bench_scale.py --quick   # a tiny synthetic model, every step, ~1 min (the test runs it)
 
 Cases (each step runs in a fresh interpreter that samples its own /proc/self/status every 20 ms):
-- small: the embedded SmolLM2-135M (GGUF), `--init projected --stem-layers full --refit none` (4.5 GB of bf16 tables),
+- small: the embedded SmolLM2-135M (GGUF), `--init projected --stem-layers full --refit none` (4.4 GB of bf16 tables),
   converted streamed and in memory; then the offload store, the engine's host memory with a store built in memory
   against the mapped one, gathers and decode.
 - large: a synthetic Llama of the Llama-3 vocabulary (128,256 tokens; hidden 1024, FFN 4096, 28 layers, 27 of them
@@ -21,7 +21,7 @@ measured in the same run: sequential (one synchronous reader, and the range advi
 requests are in flight) and one token's rows at random offsets, 16 reads in flight; warm gathers against a memcpy of
 the same bytes; decode tokens/s cold with the model's own mapped tables and with the mapped store. Disk: the large
 case needs ~60 GB under --work (source 1.1 GB, checkpoint 30.2 GB, store 28.4 GB); all of it is removed at the end
-unless --keep (after a killed run: rm -rf runs/bench_scale). Wall time on 2 cores: 15 to 20 min (large 10 to 12).
+unless --keep (after a killed run: rm -rf runs/bench_scale). Wall time on 2 cores: 15 to 20 min (large 10 to 13).
 Results: benchmarks/results/bench_scale.json (--quick: bench_scale_quick.json).
 """
 
@@ -467,7 +467,7 @@ def plot(results: dict, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", default=["small", "large"], choices=["small", "large"])
-    parser.add_argument("--work", default="runs/bench_scale", help="where sources and checkpoints go (~63 GB large)")
+    parser.add_argument("--work", default="runs/bench_scale", help="where sources and checkpoints go (~60 GB large)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and stores under --work")
     parser.add_argument("--quick", action="store_true", help="a tiny synthetic model through every step")
     parser.add_argument(

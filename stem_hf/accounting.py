@@ -84,36 +84,56 @@ def available_memory() -> int | None:
     return limit if available is None or (limit is not None and limit < available) else available
 
 
-def _cgroup_v2_group() -> str:
-    """This process's cgroup v2 path ("/" where there is none)."""
+def _cgroup_paths() -> dict[str, str]:
+    """This process's cgroup paths from /proc/self/cgroup: the v2 one under "", v1 ones under their controllers."""
+    paths = {}
     try:
         with open("/proc/self/cgroup") as f:
-            return next((line.strip()[3:] for line in f if line.startswith("0::")), "/")
-    except OSError:
-        return "/"
+            for line in f:
+                _, controllers, path = line.strip().split(":", 2)
+                for controller in controllers.split(",") if controllers else [""]:
+                    paths[controller] = path
+    except (OSError, ValueError):
+        pass
+    return paths
+
+
+def _read_room(folder: str, limit_name: str, usage_name: str, inactive_key: str) -> int | None:
+    """Limit less usage plus droppable page cache in one cgroup folder; None where it has no limit or no such files."""
+    try:
+        with open(os.path.join(folder, limit_name)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, usage_name)) as f:
+            usage = int(f.read().strip())
+        with open(os.path.join(folder, "memory.stat")) as f:
+            stat = dict(line.split()[:2] for line in f if line.strip())
+    except (OSError, ValueError):
+        return None
+    limits = [int(limit)] if limit != "max" else []
+    if "hierarchical_memory_limit" in stat:  # v1: the tightest limit of this group and its ancestors
+        limits.append(int(stat["hierarchical_memory_limit"]))
+    limits = [n for n in limits if n < 2**60]  # v1 writes "no limit" as a huge number
+    return max(0, min(limits) - usage + int(stat.get(inactive_key, 0))) if limits else None
 
 
 def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
-    """What this process's cgroup memory limit leaves: the limit less the usage, less page cache the kernel can drop
-    (inactive file pages, as `docker stats` counts), for cgroup v2, else v1 as a container sees it; None without a
-    limit."""
-    v2, v1 = os.path.join(root, _cgroup_v2_group().lstrip("/")), os.path.join(root, "memory")
-    for folder, limit_name, usage_name, inactive_key in (
-        (v2, "memory.max", "memory.current", "inactive_file"),
-        (v1, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
-    ):
-        try:
-            with open(os.path.join(folder, limit_name)) as f:
-                limit = f.read().strip()
-            with open(os.path.join(folder, usage_name)) as f:
-                usage = int(f.read().strip())
-            with open(os.path.join(folder, "memory.stat")) as f:
-                stat = dict(line.split() for line in f if line.strip())
-        except (OSError, ValueError):
-            continue
-        if limit != "max" and int(limit) < 2**60:  # v1 writes "no limit" as a huge number
-            return max(0, int(limit) - usage + int(stat.get(inactive_key, 0)))
-    return None
+    """What this process's cgroup memory limits leave: the limit less the usage, less page cache the kernel can drop
+    (inactive file pages, as `docker stats` counts), at the tightest of its group and their ancestors (cgroup v2),
+    else of its v1 memory group (or the root a container sees); None without a limit."""
+    paths, rooms = _cgroup_paths(), []
+    group = paths.get("", "/").strip("/")
+    while True:  # v2: this group, then each ancestor up to the root
+        rooms.append(_read_room(os.path.join(root, group), "memory.max", "memory.current", "inactive_file"))
+        if not group:
+            break
+        group = os.path.dirname(group)
+    v1 = paths.get("memory", "/").strip("/")
+    for folder in dict.fromkeys([os.path.join(root, "memory", v1), os.path.join(root, "memory")]):
+        if os.path.isdir(folder):
+            rooms.append(_read_room(folder, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+            break
+    rooms = [room for room in rooms if room is not None]
+    return min(rooms) if rooms else None
 
 
 def table_bytes(config: StemConfig) -> int:

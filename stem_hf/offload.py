@@ -154,10 +154,10 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
 
 
 def _check_free_space(path: str, nbytes: int) -> None:
-    """Refuses before writing where the filesystem of `path` has less than `nbytes` free (a file already at `path`,
-    which the new one replaces, counts as free)."""
+    """Refuses before writing where the filesystem of `path` has less than `nbytes` free: a store already at `path`
+    stays until the new one, written beside it, replaces it."""
     folder = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(folder).free + (os.path.getsize(path) if os.path.isfile(path) else 0)
+    free = shutil.disk_usage(folder).free
     if free < nbytes:
         raise OSError(
             f"{path}: the offload store takes {nbytes / 1e9:.1f} GB and {folder} has {free / 1e9:.1f} GB free"

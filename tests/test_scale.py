@@ -320,24 +320,28 @@ def test_the_scale_benchmark_runs_every_step_quickly(tmp_path):
 def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):
     from stem_hf import accounting
 
-    monkeypatch.setattr(accounting, "_cgroup_v2_group", lambda: "/job")
-    (tmp_path / "job").mkdir()
+    def write(folder, **files):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (folder / name.replace("_", ".", 1)).write_text(text)
+
+    monkeypatch.setattr(accounting, "_cgroup_paths", lambda: {"": "/job/task"})
     assert accounting._cgroup_room(str(tmp_path)) is None  # no limit files
-    (tmp_path / "job" / "memory.max").write_text("max\n")
-    (tmp_path / "job" / "memory.current").write_text("600\n")
-    (tmp_path / "job" / "memory.stat").write_text("anon 400\ninactive_file 150\n")
+    write(tmp_path / "job" / "task", memory_max="max\n", memory_current="600\n", memory_stat="inactive_file 150\n")
     assert accounting._cgroup_room(str(tmp_path)) is None  # v2 without a limit
-    (tmp_path / "job" / "memory.max").write_text("1000\n")
+    write(tmp_path / "job", memory_max="5000\n", memory_current="4000\n", memory_stat="inactive_file 100\n")
+    assert accounting._cgroup_room(str(tmp_path)) == 5000 - 4000 + 100  # the job's limit binds its task
+    write(tmp_path / "job" / "task", memory_max="1000\n")
     assert accounting._cgroup_room(str(tmp_path)) == 1000 - 600 + 150  # droppable page cache counts as room
-    for name in ("memory.max", "memory.current", "memory.stat"):
-        (tmp_path / "job" / name).unlink()
-    (tmp_path / "memory").mkdir()  # v1, as a container sees it
-    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    (tmp_path / "memory" / "memory.usage_in_bytes").write_text("600\n")
-    (tmp_path / "memory" / "memory.stat").write_text("total_inactive_file 50\n")
+    monkeypatch.setattr(accounting, "_cgroup_paths", lambda: {"memory": "/slurm/job"})  # v1
+    limit = "memory_limit_in_bytes"
+    write(tmp_path / "memory" / "slurm" / "job", **{limit: "9223372036854771712\n"}, memory_usage_in_bytes="600\n",
+          memory_stat="hierarchical_memory_limit 9223372036854771712\ntotal_inactive_file 50\n")  # fmt: skip
     assert accounting._cgroup_room(str(tmp_path)) is None  # v1's "no limit"
-    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("2000\n")
-    assert accounting._cgroup_room(str(tmp_path)) == 2000 - 600 + 50
+    (tmp_path / "memory" / "slurm" / "job" / "memory.stat").write_text(
+        "hierarchical_memory_limit 2000\ntotal_inactive_file 50\n"
+    )
+    assert accounting._cgroup_room(str(tmp_path)) == 2000 - 600 + 50  # a parent's limit, through the hierarchy
     monkeypatch.setattr(accounting, "_cgroup_room", lambda: 1)
     assert accounting.available_memory() == 1
 
@@ -375,7 +379,7 @@ def test_a_conversion_is_refused_before_loading_where_the_disk_cannot_hold_its_t
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(convert_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
     monkeypatch.setattr(convert_module, "open_source", lambda *a: pytest.fail("loaded before the disk check"))
-    with pytest.raises(OSError, match="the tables and the offload store take"):
+    with pytest.raises(OSError, match="the checkpoint and its offload store take .* GB free"):
         convert(str(tmp_path / "src"), tmp_path / "out" / "deeper", stem_layers="1/2", init="projected",
                 refit="none", offload_store=True)  # fmt: skip
     with pytest.raises(ValueError, match="give an output folder"):

@@ -155,18 +155,24 @@ def _check_before_loading(
 
 
 def _check_disk(config: StemConfig, out: str | os.PathLike | None, offload_store: bool) -> None:
-    """Raises where the filesystem of `out` has less room than the tables (twice that with the offload store): files
-    are made at full size up front and filled as the rows come, so a full disk would show only hours in."""
-    if out is None or not config.stem_layers:
+    """Raises where the filesystem of `out` has less room than the checkpoint (tables, and dense weights in fp32 as
+    the conversion holds them) plus the offload store when asked for: the table files grow as rows come and the dense
+    weights are written last, so a full disk would otherwise show only hours in."""
+    if out is None:
         return
     folder = os.path.abspath(out)
     while not os.path.isdir(folder):
         folder = os.path.dirname(folder)
-    needed, free = table_bytes(config) * (2 if offload_store else 1), shutil.disk_usage(folder).free
+    with torch.device("meta"):
+        dense = StemForCausalLM(config).num_parameters() - len(config.stem_layers) * config.vocab_size * (
+            config.intermediate_size
+        )
+    tables = table_bytes(config)
+    needed, free = tables * (2 if offload_store else 1) + 4 * dense, shutil.disk_usage(folder).free
     if free < needed:
         raise OSError(
-            f"{out}: the tables{' and the offload store' if offload_store else ''} take {needed / 1e9:.1f} GB and "
-            f"{folder} has {free / 1e9:.1f} GB free"
+            f"{out}: the checkpoint{' and its offload store' if offload_store else ''} take {needed / 1e9:.1f} GB "
+            f"({tables / 1e9:.1f} GB of tables) and {folder} has {free / 1e9:.1f} GB free"
         )
 
 

@@ -112,9 +112,11 @@ def init_tables(
             f"calibrating {len(layers)} layers in {len(groups)} groups of at most {len(groups[0])}, one pass over the "
             "text each: their statistics at once would not fit half the memory available"
         )
-    embed_features = embed[:vocab].float().cpu()  # beside each layer's context inputs, which live on the CPU
+    if prior_prefix is not None:
+        embed_features = embed[:vocab].float().cpu()  # beside each layer's context inputs, which live on the CPU
     bos = stem.config.bos_token_id if all(c[0] == stem.config.bos_token_id for c in chunks) else None
     for group in groups:
+        stats = features = context = all_stats = None  # the last group's, freed before this one's are gathered
         all_stats = calibrate(dense, chunks, group, calibration.slots.clamp(min=0), init == "fitted")
         context = context_inputs(dense, group, prior_prefix, vocab) if prior_prefix is not None else None
         for layer in tqdm(group, desc=f"{init} tables", unit="layer"):
