@@ -3,6 +3,7 @@ command runs on a checkpoint argument before anything loads it."""
 
 import json
 import os
+import shutil
 
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -72,16 +73,25 @@ def summarize(config: StemConfig, context_length: int = 2048) -> dict:
 def available_memory() -> int | None:
     """Bytes of memory that can be had without swapping: Linux's MemAvailable, or less where this process's cgroup
     (a container) is limited to less; None where the kernel does not say."""
-    available = None
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
+            available = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except OSError:
         return None
-    limit = _cgroup_room()
-    return limit if available is None or (limit is not None and limit < available) else available
+    rooms = [room for room in (available, _cgroup_room()) if room is not None]
+    return min(rooms) if rooms else None
+
+
+def check_disk_room(path: str | os.PathLike, nbytes: int, what: str, detail: str = "") -> None:
+    """Raises ("PATH: `what` N GB`detail` and ... GB free") where the filesystem `path` will be written on (that of
+    its nearest existing folder) has less than `nbytes` free: files that fill as rows come would otherwise run out of
+    room only hours in."""
+    folder = os.path.abspath(path)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if free < nbytes:
+        raise OSError(f"{path}: {what} {nbytes / 1e9:.1f} GB{detail} and {folder} has {free / 1e9:.1f} GB free")
 
 
 def _cgroup_paths() -> dict[str, str]:

@@ -23,7 +23,6 @@ the same engine serves rows from host memory (no copy): the plain CPU gather pat
 import json
 import math
 import os
-import shutil
 import struct
 import warnings
 from collections import deque
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .accounting import available_memory, load_config
+from .accounting import available_memory, check_disk_room, load_config
 from .storage_stem import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAVE_ID_KEY,
@@ -132,7 +131,8 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
         _read_store_metadata(path)  # refuses to replace a file that is not an offload store
     shape = (config.vocab_size, len(layers), config.intermediate_size)
     metadata = {"format": "pt", "stem_layers": json.dumps(layers), **({SAVE_ID_KEY: save_id} if save_id else {})}
-    _check_free_space(path, math.prod(shape) * dtype.itemsize)
+    # A store already at `path` stays until the new one, written beside it, replaces it: it does not count as room.
+    check_disk_room(path, math.prod(shape) * dtype.itemsize, "the offload store takes")
     partial = path + ".partial"
     lock = os.open(partial, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -151,17 +151,6 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
     finally:
         os.close(lock)
     return path
-
-
-def _check_free_space(path: str, nbytes: int) -> None:
-    """Refuses before writing where the filesystem of `path` has less than `nbytes` free: a store already at `path`
-    stays until the new one, written beside it, replaces it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(folder).free
-    if free < nbytes:
-        raise OSError(
-            f"{path}: the offload store takes {nbytes / 1e9:.1f} GB and {folder} has {free / 1e9:.1f} GB free"
-        )
 
 
 def _tensor_offset(path: str, name: str) -> int:

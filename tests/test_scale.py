@@ -3,6 +3,7 @@ byte), table files written in place, and the mapped token-major offload store (i
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -349,7 +350,7 @@ def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):
 def test_a_failed_store_write_leaves_no_partial_file_and_a_full_disk_is_refused_first(saved, monkeypatch):
     from collections import namedtuple
 
-    from stem_hf import offload, storage_stem
+    from stem_hf import storage_stem
 
     folder, _ = saved
     monkeypatch.setattr(storage_stem, "WRITE_BLOCK_BYTES", 1000)
@@ -366,7 +367,7 @@ def test_a_failed_store_write_leaves_no_partial_file_and_a_full_disk_is_refused_
         write_offload_store(folder)
     assert not [p for p in os.listdir(folder) if "offload" in p]
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(offload.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
     with pytest.raises(OSError, match="the offload store takes .* GB free"):
         write_offload_store(folder)
 
@@ -377,7 +378,7 @@ def test_a_conversion_is_refused_before_loading_where_the_disk_cannot_hold_its_t
     convert_module = sys.modules["stem_hf.conversion.convert"]
     _cli_source(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(convert_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
     monkeypatch.setattr(convert_module, "open_source", lambda *a: pytest.fail("loaded before the disk check"))
     with pytest.raises(OSError, match="the checkpoint and its offload store take .* GB free"):
         convert(str(tmp_path / "src"), tmp_path / "out" / "deeper", stem_layers="1/2", init="projected",

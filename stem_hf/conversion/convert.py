@@ -5,7 +5,6 @@ The driver: each step is a call into the module that does it (`sources`, `text`,
 """
 
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -14,7 +13,14 @@ import torch
 from torch import nn
 
 from .. import StemConfig, StemForCausalLM
-from ..accounting import available_memory, num_active_parameters, num_table_parameters, table_bytes
+from ..accounting import (
+    available_memory,
+    check_disk_room,
+    num_active_parameters,
+    num_table_parameters,
+    summarize,
+    table_bytes,
+)
 from ..offload import write_offload_store
 from .heal import heal
 from .init_tables import init_tables
@@ -160,20 +166,10 @@ def _check_disk(config: StemConfig, out: str | os.PathLike | None, offload_store
     weights are written last, so a full disk would otherwise show only hours in."""
     if out is None:
         return
-    folder = os.path.abspath(out)
-    while not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    with torch.device("meta"):
-        dense = StemForCausalLM(config).num_parameters() - len(config.stem_layers) * config.vocab_size * (
-            config.intermediate_size
-        )
-    tables = table_bytes(config)
-    needed, free = tables * (2 if offload_store else 1) + 4 * dense, shutil.disk_usage(folder).free
-    if free < needed:
-        raise OSError(
-            f"{out}: the checkpoint{' and its offload store' if offload_store else ''} take {needed / 1e9:.1f} GB "
-            f"({tables / 1e9:.1f} GB of tables) and {folder} has {free / 1e9:.1f} GB free"
-        )
+    counts, tables = summarize(config), table_bytes(config)
+    needed = tables * (2 if offload_store else 1) + 4 * (counts["total_params"] - counts["table_params"])
+    what = f"the checkpoint{' and its offload store' if offload_store else ''} take"
+    check_disk_room(out, needed, what, f" ({tables / 1e9:.1f} GB of tables)")
 
 
 def _calibration_budget(config: StemConfig, streamed: bool) -> int | None:
