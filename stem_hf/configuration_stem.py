@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from .compat_stem import CACHE_ARG, SUPPORTED_TRANSFORMERS
+
 STEM_RATIOS = ("1/3", "1/2", "full")
-# The transformers releases this code is tested with; kept in step with setup.cfg and recorded in every saved config.
-SUPPORTED_TRANSFORMERS = ">=5.18,<5.24"
 TABLE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -104,7 +104,7 @@ class StemConfig(PreTrainedConfig):
     ```"""
 
     model_type = "stem"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_ARG]  # Trainer's evaluation leaves the cache out of the predictions
     # Llama's plan, plus the tables: a table shards along intermediate_size like the up-projection it replaces, and
     # each rank looks up its own slice of the rows (local), which meets gate_proj's local slice before down_proj.
     base_model_tp_plan = {

@@ -27,6 +27,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .compat_stem import CACHE_ARG, check_model_kwargs, check_transformers_version, takes_cache
 from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
 from .storage_stem import (
     StemSoftPromptRows,
@@ -40,6 +41,7 @@ from .storage_stem import (
 )
 
 logger = logging.get_logger(__name__)
+check_transformers_version()
 
 
 class StemRMSNorm(nn.Module):
@@ -162,7 +164,7 @@ class StemAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         input_shape = hidden_states.shape[:-1]
@@ -180,8 +182,8 @@ class StemAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -258,12 +260,13 @@ class StemDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @takes_cache  # GradientCheckpointingLayer drops the cache by the name transformers gives it
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         stem_rows: StemRows | None = None,
@@ -275,7 +278,7 @@ class StemDecoderLayer(GradientCheckpointingLayer):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -309,7 +312,7 @@ class StemPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["StemDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_ARG]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -419,6 +422,7 @@ class StemModel(StemPreTrainedModel):
             stem_rows = StemSoftPromptRows(stem_rows, num_soft)
         return stem_rows
 
+    @takes_cache
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -426,7 +430,7 @@ class StemModel(StemPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         stem_input_ids: torch.LongTensor | None = None,
@@ -437,6 +441,7 @@ class StemModel(StemPreTrainedModel):
             The token ids used for the STEM table lookups; defaults to `input_ids`. Passing other ids than the text's
             own edits what the model knows about those positions (the paper's knowledge editing).
         """
+        check_model_kwargs(type(self).__name__, kwargs)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         given = "input_ids" if input_ids is not None else "inputs_embeds"
@@ -455,11 +460,11 @@ class StemModel(StemPreTrainedModel):
         if self.config.stem_layers:
             stem_rows = self.stem_rows(stem_input_ids, inputs_embeds, soft_allowed=input_ids is None)
 
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
 
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
@@ -467,8 +472,8 @@ class StemModel(StemPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE_ARG: cache},
         )
 
         hidden_states = inputs_embeds
@@ -479,13 +484,13 @@ class StemModel(StemPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
                 stem_rows=stem_rows,
+                **{CACHE_ARG: cache},
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARG: cache})
 
 
 class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
@@ -530,10 +535,11 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
             )
         return super().generate(inputs, *args, **kwargs)
 
+    @takes_cache
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.LongTensor,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         stem_input_ids: torch.LongTensor | None = None,
@@ -543,11 +549,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         look up their own rows. The step's ids always travel as `stem_input_ids`, so that a wrapper that swaps
         `input_ids` for embeddings (PEFT prompt tuning) still sends the tables their ids."""
         model_inputs = super().prepare_inputs_for_generation(
-            input_ids,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            **kwargs,
+            input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **{CACHE_ARG: cache}, **kwargs
         )
         step = model_inputs.get("input_ids")
         if stem_input_ids is None:
@@ -559,7 +561,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
             step = model_inputs["inputs_embeds"]
         if inputs_embeds is None and input_ids.shape[1] < stem_input_ids.shape[1]:
             # Chunked prefill (`prefill_chunk_size`): input_ids is one chunk of the prompt, after what the cache holds.
-            start = past_key_values.get_seq_length() if past_key_values is not None else 0
+            start = cache.get_seq_length() if cache is not None else 0
             model_inputs["stem_input_ids"] = stem_input_ids[:, start : start + step.shape[1]]
             return model_inputs
         # With a prompt given as embeddings, input_ids holds only the generated tokens.
@@ -568,13 +570,14 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         model_inputs["stem_input_ids"] = full[:, full.shape[1] - step.shape[1] :]
         return model_inputs
 
+    @takes_cache
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -595,7 +598,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             stem_input_ids=stem_input_ids,
@@ -613,9 +616,9 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_ARG: getattr(outputs, CACHE_ARG)},
         )
 
 

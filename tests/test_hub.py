@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKPOINT_FILES = {
     "config.json",
     "generation_config.json",
+    "compat_stem.py",
     "configuration_stem.py",
     "modeling_stem.py",
     "storage_stem.py",

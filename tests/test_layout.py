@@ -11,7 +11,7 @@ import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "stem_hf"
-REMOTE_CODE = ("configuration_stem.py", "modeling_stem.py", "storage_stem.py")
+REMOTE_CODE = ("compat_stem.py", "configuration_stem.py", "modeling_stem.py", "storage_stem.py")
 MAX_FUNCTION_LINES = 80
 
 
@@ -111,7 +111,9 @@ STDLIB = (
     "contextlib",
     "ctypes",
     "dataclasses",
+    "functools",
     "importlib",
+    "inspect",
     "json",
     "math",
     "mmap",
@@ -125,6 +127,7 @@ STDLIB = (
     "time",
     "typing",
     "uuid",
+    "warnings",
 )
 
 

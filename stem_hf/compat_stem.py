@@ -1,0 +1,115 @@
+"""What differs between the transformers releases this code supports, keyed on what the installed transformers offers.
+
+transformers 5.24 renamed the KV cache from `past_key_values` to `cache` in model forwards, masks, outputs and
+`generate`. The model's code is written with `cache`; `takes_cache` lets a forward take either name and shows
+transformers the one it passes, and `CACHE_ARG` is the name to give transformers' own functions and output classes.
+
+Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
+"""
+
+import functools
+import inspect
+import re
+import warnings
+from collections.abc import Callable
+
+import transformers
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import TransformersKwargs
+
+# The transformers releases this code is tested with; kept in step with setup.cfg and recorded in every saved config.
+SUPPORTED_TRANSFORMERS = ">=5.18,<5.25"
+CACHE_ARGS = ("cache", "past_key_values")  # the name from 5.24 on, and the name before
+
+
+def _cache_arg() -> str:
+    """The name the installed transformers gives the KV cache: the field of its output classes, which its mask
+    functions must take too. Anything else is a transformers this code cannot run on without being silently wrong."""
+    fields = BaseModelOutputWithPast.__dataclass_fields__
+    names = [name for name in CACHE_ARGS if name in fields]
+    if len(names) != 1 or names[0] not in inspect.signature(create_causal_mask).parameters:
+        raise ImportError(
+            f"transformers {transformers.__version__} passes the KV cache under a name this STEM code does not know "
+            f"(it knows {' and '.join(CACHE_ARGS)}; it is tested with transformers{SUPPORTED_TRANSFORMERS}): install "
+            f"a supported release (pip install 'transformers{SUPPORTED_TRANSFORMERS}'), or refresh the checkpoint's "
+            "code with an up-to-date stem-hf (`stem-hf refresh-code CHECKPOINT`)"
+        )
+    return names[0]
+
+
+CACHE_ARG = _cache_arg()
+
+
+def takes_cache(forward: Callable) -> Callable:
+    """Decorates a forward written with a `cache` parameter: it also takes the cache as `past_key_values`, the name
+    transformers before 5.24 passes and code written for it uses, and its signature (which `generate` inspects) shows
+    the name the installed transformers passes. Giving both names is an error."""
+    signature = inspect.signature(forward)
+    if "cache" not in signature.parameters:
+        raise TypeError(f"takes_cache: {forward.__qualname__} has no `cache` parameter")
+    parameters = [p.replace(name=CACHE_ARG) if p.name == "cache" else p for p in signature.parameters.values()]
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            if "cache" in kwargs:
+                raise TypeError(
+                    f"{forward.__qualname__}: got both `cache` and `past_key_values`, two names of the one KV cache "
+                    "argument; give one"
+                )
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return forward(*args, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=parameters)
+    return wrapper
+
+
+def check_model_kwargs(owner: str, kwargs: dict) -> None:
+    """Raises on a keyword a model forward would otherwise swallow into `**kwargs`: the installed transformers'
+    `TransformersKwargs` are the only extra keywords it passes on (a cache under an unknown name would be ignored)."""
+    unknown = sorted(set(kwargs) - set(TransformersKwargs.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"{owner}.forward got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: it takes "
+            f"{' or '.join(map(repr, CACHE_ARGS))} for the KV cache, `stem_input_ids`, the usual model inputs, and "
+            f"transformers' {', '.join(sorted(TransformersKwargs.__annotations__))}"
+        )
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def supports_transformers(version: str, supported: str = SUPPORTED_TRANSFORMERS) -> bool:
+    """Whether a transformers `version` lies in `supported`, a range of the form `>=A.B,<C.D` (by minor release: the
+    pre-releases of a minor count as it)."""
+    low, high = re.fullmatch(r">=(\d+\.\d+),<(\d+\.\d+)", supported).groups()
+    return _minor(low) <= _minor(version) < _minor(high)
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Warns, naming the range and what to do, when the installed transformers is outside the range this code is
+    tested with: a release outside it may change what the model's forward is given, as 5.24 did."""
+    version = version or transformers.__version__
+    if not supports_transformers(version):
+        warnings.warn(
+            f"this STEM model's code is tested with transformers{SUPPORTED_TRANSFORMERS} and transformers {version} "
+            "is installed: its outputs, cached generation above all, may differ from a supported release's. Install "
+            f"one (pip install 'transformers{SUPPORTED_TRANSFORMERS}'), or refresh the checkpoint's code with an "
+            "up-to-date stem-hf (`stem-hf refresh-code CHECKPOINT`)",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+__all__ = [
+    "CACHE_ARG",
+    "CACHE_ARGS",
+    "SUPPORTED_TRANSFORMERS",
+    "check_model_kwargs",
+    "check_transformers_version",
+    "supports_transformers",
+    "takes_cache",
+]
