@@ -156,13 +156,13 @@ def _decode(model, prompt: torch.Tensor, tokens: int) -> tuple[list[int], float,
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         start = time.perf_counter()
-        logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
         prefill = time.perf_counter() - start
         ids = [int(logits[0, -1].argmax())]
         start = time.perf_counter()
         for _ in range(tokens - 1):
             step = torch.tensor([[ids[-1]]])
-            ids.append(int(model(step, past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+            ids.append(int(model(step, cache=cache, use_cache=True).logits[0, -1].argmax()))
         decode = (tokens - 1) / (time.perf_counter() - start)
     return ids, prefill, decode
 

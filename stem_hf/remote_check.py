@@ -17,7 +17,9 @@ import torch
 def load_without_package(
     checkpoint: str | os.PathLike, input_ids: torch.Tensor, max_new_tokens: int = 4, hub_env: dict | None = None
 ) -> dict:
-    """Returns `{"logits", "generated", "hidden", "module"}` computed by the checkpoint's copied code in a subprocess.
+    """Returns `{"logits", "generated", "uncached", "hidden", "module"}` computed by the checkpoint's copied code in a
+    subprocess: `generated` by `generate` with its default cache, `uncached` by greedy steps of full forwards (the
+    reference a cache must not change).
 
     `HF_MODULES_CACHE` points at a temporary folder, so the code comes from the checkpoint, not from an earlier load.
     With `hub_env` (say, `HF_ENDPOINT` of a test Hub), `checkpoint` may be a Hub id: it is downloaded into an empty
@@ -67,8 +69,13 @@ def _main(checkpoint: str, inputs: str, out: str) -> None:
     with torch.no_grad():
         logits = model(args["input_ids"]).logits
         generated = model.generate(args["input_ids"], max_new_tokens=args["max_new_tokens"], do_sample=False)
+        uncached = args["input_ids"]
+        for _ in range(args["max_new_tokens"]):
+            step = model(uncached, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            uncached = torch.cat([uncached, step], dim=1)
         hidden = AutoModel.from_pretrained(checkpoint, trust_remote_code=True)(args["input_ids"]).last_hidden_state
-    torch.save({"logits": logits, "generated": generated, "hidden": hidden, "module": type(model).__module__}, out)
+    outputs = {"logits": logits, "generated": generated, "uncached": uncached, "hidden": hidden}
+    torch.save({**outputs, "module": type(model).__module__}, out)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 import ast
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from stem_hf import StemForCausalLM
@@ -51,10 +53,22 @@ def test_loads_with_trust_remote_code_without_the_package(tmp_path):
     input_ids = torch.randint(3, TINY["vocab_size"], (2, 6))
     out = load_without_package(tmp_path, input_ids, max_new_tokens=4)
     assert out["module"].startswith("transformers_modules"), out["module"]
+    assert torch.equal(out["generated"], out["uncached"])  # the cache changes nothing: greedy on full forwards
     with torch.no_grad():
         assert torch.equal(out["logits"], model(input_ids).logits)
-        assert torch.equal(out["generated"], model.generate(input_ids, max_new_tokens=4, do_sample=False))
         assert torch.equal(out["hidden"], model.model(input_ids).last_hidden_state)  # through AutoModel
+
+
+def test_a_checkpoint_saved_today_gives_the_tokens_saved_under_transformers_5_23(tmp_path):
+    """A fixed reference, not the package's own output: logits and greedy tokens of tests/data/saved-5.23."""
+    data = Path(__file__).parent / "data" / "saved-5.23"
+    reference = load_file(data / "reference.safetensors")
+    StemForCausalLM.from_pretrained(data / "checkpoint").save_pretrained(tmp_path)
+    new_tokens = reference["greedy"].shape[1] - reference["prompts"].shape[1]
+    out = load_without_package(tmp_path, reference["prompts"], max_new_tokens=new_tokens)
+    assert torch.equal(out["logits"], reference["logits"])
+    assert torch.equal(out["generated"], reference["greedy"])
+    assert torch.equal(out["uncached"], reference["greedy"])
 
 
 def test_blocked_load_really_cannot_import_the_package(tmp_path):

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
+from ..compat_stem import CACHE_ARG
 from .hooks import StopForward, run_until
 
 __all__ = ["LayerStats", "calibrate", "context_inputs", "run_to_layers"]
@@ -117,7 +119,8 @@ def context_inputs(
     positions per layer. Memory: `vocab_size x hidden` fp32 values per layer."""
     device = model.get_input_embeddings().weight.device
     inputs = {layer: torch.zeros(vocab_size, model.config.hidden_size) for layer in layers}
-    prefix_cache = model(torch.tensor([prefix], device=device), use_cache=True).past_key_values
+    prefix_cache = DynamicCache(config=model.config)
+    model(torch.tensor([prefix], device=device), use_cache=True, **{CACHE_ARG: prefix_cache})
     last, offset = max(layers), [0]
 
     def hook(layer):
@@ -135,7 +138,7 @@ def context_inputs(
         tokens = torch.arange(start, min(start + batch, vocab_size), device=device)
         cache = copy.deepcopy(prefix_cache)  # the forward appends to it and repeats it in place
         cache.batch_repeat_interleave(len(tokens))
-        model(tokens[:, None], past_key_values=cache, use_cache=True)
+        model(tokens[:, None], use_cache=True, **{CACHE_ARG: cache})
 
     starts = tqdm(range(0, vocab_size, batch), desc="context inputs", unit="batch")
     run_until(forward, starts, [hook(layer) for layer in layers])

@@ -1,0 +1,622 @@
+"""STEM: Scaling Transformers with Embedding Modules (arXiv 2601.10639) as a transformers causal LM.
+
+A Llama-family decoder in which the FFN of each layer listed in `config.stem_layers` computes
+`down_proj(SiLU(gate_proj(x)) * U_l[t])`: the up-projection is replaced by a row of a per-layer table `U_l` indexed by
+the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a Llama state dict loads as is when
+`stem_layers` is empty.
+
+Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
+"""
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
+from .storage_stem import (
+    StemSoftPromptRows,
+    StemTable,
+    StemTables,
+    finish_load,
+    prepare_load,
+    save_checkpoint,
+    unsaved_id,
+    xavier_normal_std,
+)
+
+logger = logging.get_logger(__name__)
+
+
+class StemRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class StemRotaryEmbedding(nn.Module):
+    def __init__(self, config: StemConfig):
+        super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        # Non-persistent: `PreTrainedModel._init_weights` recomputes both after a meta-device load.
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: StemConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+):
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class StemAttention(nn.Module):
+    """Grouped-query attention with RoPE; optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2)."""
+
+    def __init__(self, config: StemConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias
+        )
+        if config.qk_norm:
+            self.q_norm = StemRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = StemRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.qk_norm:
+            query_states = self.q_norm(query_states)
+            key_states = self.k_norm(key_states)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class StemMLP(nn.Module):
+    """The dense SwiGLU FFN of the layers not listed in `stem_layers`."""
+
+    def __init__(self, config: StemConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StemTableMLP(nn.Module):
+    """A STEM FFN: `down_proj(SiLU(gate_proj(x)) * rows)`, `rows` being this layer's table rows for the input tokens.
+
+    It owns no table: the model's `StemTables` does, so an offload engine can fetch every STEM layer's rows for a batch
+    in one pass. This module only consumes rows.
+    """
+
+    def __init__(self, config: StemConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # Cast the gathered rows, never the table: tables may be stored in another dtype or live on another device.
+        rows = rows.to(device=x.device, dtype=x.dtype)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * rows)
+
+
+class StemRows(Protocol):
+    """One forward's table rows: `rows[layer_idx]` is STEM layer `layer_idx`'s rows for the forward's table ids, shaped
+    `(*stem_input_ids.shape, intermediate_size)`, on any device and in any dtype (the layer casts them)."""
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor: ...
+
+
+class StemRowSource(Protocol):
+    """Where a forward's table rows come from: called once per forward with its table ids. The model's `StemTables` is
+    the default source; `StemModel.set_row_source` plugs in another (the offload engine serves rows from a host store,
+    the knowledge editor serves other tokens' rows)."""
+
+    def __call__(self, stem_input_ids: torch.LongTensor) -> StemRows: ...
+
+
+class StemDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: StemConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_stem = layer_idx in config.stem_layers
+        self.self_attn = StemAttention(config=config, layer_idx=layer_idx)
+        self.mlp = StemTableMLP(config) if self.is_stem else StemMLP(config)
+        self.input_layernorm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        stem_rows: StemRows | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        if self.is_stem:
+            hidden_states = self.mlp(hidden_states, stem_rows[self.layer_idx])
+        else:
+            hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+@torch.compiler.disable  # a graph break: under torch.compile the check still runs, before inductor's gather
+def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
+    """Raises if `ids` holds an id outside `[0, vocab_size)`. On a GPU an out-of-range gather is a device-side assert
+    that kills the process, so the check runs before any lookup (one host sync per forward)."""
+    if ids.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside [0, {vocab_size}): vocab_size is {vocab_size}")
+
+
+class StemPreTrainedModel(PreTrainedModel):
+    config: StemConfig
+    config_class = StemConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["StemDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": StemDecoderLayer, "attentions": StemAttention}
+    # Set by the stem_hf package (card template, Hub code): without it, no card, and pushes as transformers does.
+    _model_card_writer: Callable | None = None
+    _hub_pusher: Callable | None = None
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, StemTable):  # the paper's xavier-normal init over the [vocab, d_ff] table
+            init.normal_(module.weight, mean=0.0, std=xavier_normal_std(*module.weight.shape))
+        else:
+            super()._init_weights(module)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained` after `storage_stem.prepare_load`'s checks; tables stay in host memory
+        under a `device_map`, and load as copy-on-write memory maps of their files when stored in `table_dtype`."""
+        save_id = prepare_load(cls, pretrained_model_name_or_path, kwargs)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        finish_load(loaded[0] if isinstance(loaded, tuple) else loaded, save_id)  # a tuple: output_loading_info
+        return loaded
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, with tables in their own shards, staged and atomic
+        (`storage_stem.save_checkpoint`). Adapters and non-saving ranks go through transformers as they are."""
+        if getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process):
+            return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        save_checkpoint(self, save_directory, super().save_pretrained, state_dict, **kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Uploads what `save_pretrained` writes, with card and provenance when stem_hf is installed (`push_model`)."""
+        if self._hub_pusher is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return self._hub_pusher(self, repo_id, **kwargs)
+
+    def train(self, mode: bool = True) -> "StemPreTrainedModel":
+        if mode:  # a model in training stops vouching for the checkpoint it was loaded from
+            self.stem_save_id = unsaved_id()
+        return super().train(mode)
+
+    def set_table_dtype(self, dtype: torch.dtype | str) -> None:
+        """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""
+        self.config.table_dtype = check_table_dtype(str(dtype).removeprefix("torch."))
+        for table in self.base_model.stem_tables.values():
+            table.to(getattr(torch, self.config.table_dtype))
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
+        """Also resizes every STEM table; new rows are the mean of the old ones (`mean_resizing`) or xavier-normal."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.base_model.stem_tables.resize(embeddings.num_embeddings, mean_resizing)
+        return embeddings
+
+
+class StemModel(StemPreTrainedModel):
+    def __init__(self, config: StemConfig):
+        super().__init__(config)
+        # A config edited after construction may hold a ratio string again: the model builds from the explicit list.
+        config.stem_layers = resolve_stem_layers(config.stem_layers, config.num_hidden_layers)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [StemDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.stem_tables = StemTables(config)
+        self.row_source: StemRowSource | None = None  # None: `stem_tables`; see `set_row_source`
+        # Left out of device maps on purpose (`storage_stem.device_map_keeping_tables_on_cpu`); a non-None value makes
+        # transformers skip accelerate's check that every parameter has a device.
+        self._no_placement_params = [f"stem_tables.{i}.weight" for i in config.stem_layers]
+        self.norm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = StemRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def set_row_source(self, source: StemRowSource | None) -> StemRowSource | None:
+        """Serves the table rows of later forwards from `source` (None: this model's tables). Returns the source it
+        replaces, for the caller to restore: sources stack, the last set being the first restored."""
+        previous = self.row_source
+        self.__dict__["row_source"] = source  # never registered as a submodule: it is not part of the model
+        return previous
+
+    def stem_rows(
+        self, stem_input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor, soft_allowed: bool
+    ) -> StemRows:
+        """This forward's table rows for `stem_input_ids`, from the row source. `soft_allowed`: the inputs are
+        embeddings, whose first positions may be soft prompts without a token."""
+        if stem_input_ids is None:
+            raise ValueError(
+                f"this model has STEM layers {self.config.stem_layers}, whose tables are indexed by token ids: "
+                "pass `stem_input_ids` (batch_size, sequence_length) along with `inputs_embeds` (with PEFT prompt "
+                "tuning, pass the text's input ids as `stem_input_ids`)"
+            )
+        batch, length = inputs_embeds.shape[:2]
+        # Embeddings may start with soft prompts (PEFT prompt tuning): then the ids cover the positions after them.
+        num_soft = length - stem_input_ids.shape[-1]
+        soft_allowed = soft_allowed and 0 <= num_soft < length
+        if stem_input_ids.ndim != 2 or stem_input_ids.shape[0] != batch or not (num_soft == 0 or soft_allowed):
+            raise ValueError(
+                f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the inputs have (batch_size, "
+                f"sequence_length) = {(batch, length)}: give one table id per input position (with "
+                "`inputs_embeds`, fewer ids mean that the first positions are soft prompts without a token)"
+            )
+        stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
+        if num_soft:
+            stem_rows = StemSoftPromptRows(stem_rows, num_soft)
+        return stem_rows
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        stem_input_ids: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        r"""
+        stem_input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The token ids used for the STEM table lookups; defaults to `input_ids`. Passing other ids than the text's
+            own edits what the model knows about those positions (the paper's knowledge editing).
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        given = "input_ids" if input_ids is not None else "inputs_embeds"
+        if (input_ids if input_ids is not None else inputs_embeds).shape[1:2] == (0,):
+            shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
+            raise ValueError(f"{given} has shape {shape}: no position to run; give at least one token")
+        if input_ids is not None:
+            check_token_ids(input_ids, self.config.vocab_size, "input_ids")
+        if stem_input_ids is None:
+            stem_input_ids = input_ids
+        elif stem_input_ids is not input_ids:
+            check_token_ids(stem_input_ids, self.config.vocab_size, "stem_input_ids")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        stem_rows = None
+        if self.config.stem_layers:
+            stem_rows = self.stem_rows(stem_input_ids, inputs_embeds, soft_allowed=input_ids is None)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                stem_rows=stem_rows,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: StemConfig):
+        super().__init__(config)
+        self.model = StemModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._no_placement_params = [f"model.{name}" for name in self.model._no_placement_params]
+        self.post_init()
+
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """`GenerationMixin.generate`, after checking that `stem_input_ids` gives one id per prompt position (the
+        prompt being `inputs_embeds` when given, else `inputs`/`input_ids`): a shorter or longer one would shift every
+        later lookup. With `inputs_embeds` on a model with STEM layers, `stem_input_ids` is required."""
+        stem_input_ids = kwargs.get("stem_input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        prompt = embeds if embeds is not None else ids
+        if stem_input_ids is None and embeds is not None and self.config.stem_layers:
+            raise ValueError(
+                f"generate(inputs_embeds=...): this model's STEM layers {self.config.stem_layers} look up table rows "
+                "by token id; pass `stem_input_ids` (batch_size, prompt_length) with the prompt's token ids"
+            )
+        if stem_input_ids is not None and embeds is not None and ids is not None and ids.numel():
+            raise ValueError(
+                "generate: with stem_input_ids, give the prompt as input_ids or as inputs_embeds, not both (which of "
+                "them the tables should follow would be ambiguous)"
+            )
+        # An assistant model's generate runs again on the prompt plus the tokens accepted so far.
+        assisting = getattr(kwargs.get("generation_config"), "is_assistant", False)
+        if stem_input_ids is not None and prompt is not None and stem_input_ids.shape != prompt.shape[:2]:
+            if assisting and stem_input_ids.shape[0] == prompt.shape[0] and stem_input_ids.shape[1] < prompt.shape[1]:
+                return super().generate(inputs, *args, **kwargs)
+            raise ValueError(
+                f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the prompt has (batch_size, length) = "
+                f"{tuple(prompt.shape[:2])}: give one table id per prompt position"
+            )
+        return super().generate(inputs, *args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        stem_input_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> dict:
+        """Lets `generate` take `stem_input_ids` for the prompt (and `inputs_embeds` with them): the tokens it generates
+        look up their own rows. The step's ids always travel as `stem_input_ids`, so that a wrapper that swaps
+        `input_ids` for embeddings (PEFT prompt tuning) still sends the tables their ids."""
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        step = model_inputs.get("input_ids")
+        if stem_input_ids is None:
+            if step is not None and self.config.stem_layers:
+                model_inputs["stem_input_ids"] = step  # the same tensor: forward checks it once
+            return model_inputs
+        stem_input_ids = stem_input_ids.to(input_ids.device)
+        if step is None:
+            step = model_inputs["inputs_embeds"]
+        if inputs_embeds is None and input_ids.shape[1] < stem_input_ids.shape[1]:
+            # Chunked prefill (`prefill_chunk_size`): input_ids is one chunk of the prompt, after what the cache holds.
+            start = past_key_values.get_seq_length() if past_key_values is not None else 0
+            model_inputs["stem_input_ids"] = stem_input_ids[:, start : start + step.shape[1]]
+            return model_inputs
+        # With a prompt given as embeddings, input_ids holds only the generated tokens.
+        generated = input_ids if inputs_embeds is not None else input_ids[:, stem_input_ids.shape[1] :]
+        full = torch.cat([stem_input_ids, generated], dim=1)
+        model_inputs["stem_input_ids"] = full[:, full.shape[1] - step.shape[1] :]
+        return model_inputs
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        stem_input_ids: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        stem_input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The token ids used for the STEM table lookups; defaults to `input_ids`.
+
+        ```python
+        >>> from transformers import AutoModelForCausalLM
+        >>> model = AutoModelForCausalLM.from_pretrained("path/to/stem-model", trust_remote_code=True)
+        >>> out = model.generate(input_ids, max_new_tokens=20)
+        ```"""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            stem_input_ids=stem_input_ids,
+            **kwargs,
+        )
+        # An int keeps the last positions (0 keeps all); a tensor names the positions to keep.
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        hidden_states = outputs.last_hidden_state[:, keep, :]
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["StemForCausalLM", "StemModel", "StemPreTrainedModel", "StemRowSource", "StemRows"]

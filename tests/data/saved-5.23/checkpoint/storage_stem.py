@@ -1,0 +1,1211 @@
+"""Checkpoint files of a STEM model: tables in their own safetensors shards next to the dense ones, one index for all,
+saves that never leave a half-written checkpoint in place of a good one, and checks that name the file and the tensor
+when a checkpoint is broken.
+
+Copied next to the weights by `save_pretrained`: imports nothing beyond the standard library, torch and transformers.
+"""
+
+import ctypes
+import ctypes.util
+import dataclasses
+import importlib
+import json
+import math
+import mmap
+import os
+import platform
+import re
+import secrets
+import shutil
+import struct
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import transformers
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from transformers.utils import logging
+
+from .configuration_stem import SUPPORTED_TRANSFORMERS, StemConfig, resolve_stem_layers
+
+logger = logging.get_logger(__name__)
+
+# transformers' file names, spelled here so that this file imports no name transformers' model files do not.
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+TABLE_KEY = re.compile(r"(?:^|\.)stem_tables\.(\d+)\.weight$")
+# The tables' shards, named as transformers names the dense ones: `stem-tables[.VARIANT]-XXXXX-of-YYYYY.safetensors`.
+TABLES_NAME = "stem-tables.safetensors"
+# Every weight file of a save and its index carry this key with one fresh id: files of two saves are told apart at load.
+SAVE_ID_KEY = "stem_save_id"
+# Provenance files beside the weights, each recording the save id of the weights it describes: how they were made
+# (`stem-hf convert`) and how they score (`stem-hf eval`). The model card renders both.
+REPORT_FILE = "conversion_report.json"
+RESULTS_FILE = "lm_eval_results.json"
+PROVENANCE_FILES = (REPORT_FILE, RESULTS_FILE)
+# Bits per element of each safetensors dtype (the sub-byte float formats pack elements): the bytes a tensor must span.
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
+    "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+_VARIANT = re.compile(r"[A-Za-z0-9_-]+")
+_STAGING_PREFIX = ".stem-saving-"
+# A staging folder nobody holds is a killed save's once it is this old; younger, it may be one that is just starting.
+_STALE_AFTER_S = 60.0
+# Where no lock can tell (no fcntl, or a file system without flock): only this old.
+_STALE_UNLOCKED_AFTER_S = 24 * 3600.0
+
+
+def _transformers_name(module: str, name: str):
+    """A transformers name that its model files do not import, imported where it is used: a rename in a release
+    outside the supported range fails there, with the range in the error, not when the model is imported."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(
+            f"{module}.{name} is missing from transformers {transformers.__version__}; STEM checkpoints are tested "
+            f"with transformers{SUPPORTED_TRANSFORMERS} ({error})"
+        ) from error
+
+
+def check_variant(variant: str | None) -> None:
+    """Raises unless `variant` is None or a plain name ("fp16", "ema"): it goes into file names."""
+    if variant is not None and not _VARIANT.fullmatch(variant):
+        raise ValueError(f"variant: {variant!r} is not a plain name (letters, digits, '_' and '-')")
+
+
+def variant_name(name: str, variant: str | None = None) -> str:
+    """`name` as transformers names it for `variant` (its private `_add_variant`): `model.safetensors` ->
+    `model.fp16.safetensors`, `model.safetensors.index.json` -> `model.safetensors.index.fp16.json`."""
+    if not variant:
+        return name
+    base, extension = name.rsplit(".", 1)
+    return f"{base}.{variant}.{extension}"
+
+
+def _shard_name(name: str, variant: str | None, index: int, total: int) -> str:
+    """transformers' shard naming: `model.safetensors` -> `model[.VARIANT]-00001-of-00002.safetensors`."""
+    base = variant_name(name, variant).removesuffix(".safetensors")
+    return f"{base}-{index:05d}-of-{total:05d}.safetensors"
+
+
+def _weight_files(variant: str | None) -> re.Pattern:
+    """The files a save of `variant` replaces; other variants' weights and anything else (tokenizer, README...) stay."""
+    v = "" if not variant else r"\." + re.escape(variant)
+    shards = rf"(?:model|pytorch_model|stem-tables){v}(?:-\d{{5}}-of-\d{{5}})?\.(?:safetensors|bin)"
+    return re.compile(rf"{shards}|(?:model\.safetensors|pytorch_model\.bin)\.index{v}\.json")
+
+
+def _read_header(path: str) -> tuple[dict, dict]:
+    """`(tensor entries, metadata)` of a safetensors file's header, after checking that the entries are well formed,
+    that the file holds every byte they name, and that their `data_offsets` tile the data exactly as the format
+    requires (no overlap, no gap, each tensor's span its dtype times its shape)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path} is corrupt: {size} bytes, too short to hold a safetensors header")
+        (header_size,) = struct.unpack("<Q", prefix)
+        if 8 + header_size > size:
+            raise ValueError(
+                f"{path} is truncated or corrupt: its header claims {header_size} bytes but the file has {size}"
+            )
+        try:
+            header = json.loads(f.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is corrupt: its safetensors header is unreadable ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is corrupt: its safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path} is corrupt: its __metadata__ is not a JSON object")
+    spans = []
+    for name, entry in header.items():
+        corrupt = f"{path} is corrupt: tensor {name}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{corrupt} has no header entry (dtype, shape, data_offsets)")
+        for field in ("dtype", "shape", "data_offsets"):
+            if field not in entry:
+                raise ValueError(f"{corrupt} has no {field} in its header entry")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str):
+            raise ValueError(f"{corrupt} has dtype {dtype!r}, not a safetensors dtype name")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"{corrupt} has shape {shape!r}, not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)):
+            raise ValueError(f"{corrupt} has data_offsets {offsets!r}, not [begin, end]")
+        begin, end = offsets
+        if end < begin:
+            raise ValueError(f"{corrupt} ends before it begins: data_offsets {offsets}")
+        if 8 + header_size + end > size:
+            raise ValueError(
+                f"{path} is truncated: tensor {name} ends at byte {8 + header_size + end} but the file has {size} bytes"
+            )
+        bits = _DTYPE_BITS.get(dtype)  # a dtype newer than this list: its size is safetensors' to check
+        if bits is not None and (end - begin) * 8 != math.prod(shape) * bits:
+            raise ValueError(
+                f"{corrupt} spans {end - begin} bytes but a {dtype} tensor of shape {shape} takes "
+                f"{math.prod(shape) * bits // 8} (data_offsets {offsets})"
+            )
+        spans.append((begin, end, name))
+    position, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < position:
+            raise ValueError(
+                f"{path} is corrupt: tensor {name} overlaps tensor {previous} (data_offsets [{begin}, {end}], "
+                f"{previous} ends at {position})"
+            )
+        if begin > position:
+            raise ValueError(f"{path} is corrupt: tensor {name} begins at {begin}, leaving a gap after byte {position}")
+        position, previous = end, name
+    if 8 + header_size + position != size:
+        raise ValueError(f"{path} is corrupt: {size - 8 - header_size - position} bytes after its last tensor")
+    return header, metadata
+
+
+def read_safetensors_header(path: str) -> dict:
+    """The tensor entries of a safetensors file's header, after checking that they are consistent and that the file
+    holds every byte they name; errors name the file and the tensor."""
+    return _read_header(path)[0]
+
+
+def read_safetensors_metadata(path: str) -> dict:
+    """The `__metadata__` of a safetensors file, after `read_safetensors_header`'s checks of the whole file."""
+    return _read_header(path)[1]
+
+
+def _read_index(path: str) -> dict:
+    """A safetensors index, checked to be JSON with a `weight_map` of tensor names to file names."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): re-run save_pretrained or restore the file") from None
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise ValueError(f'{path} has no "weight_map", which maps each tensor to the file that holds it')
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f'{path} is corrupt: its "weight_map" must map tensor names to file names')
+    if not isinstance(index.get("metadata") or {}, dict):
+        raise ValueError(f'{path} is corrupt: its "metadata" is not a JSON object')
+    return index
+
+
+def _leaves_folder(file: str) -> bool:
+    """Whether an index entry names a file outside the checkpoint folder: absolute, on another drive, or climbing out
+    with `..`. Decided on the path as written, not by resolving links: a Hub cache snapshot's files are links to blobs
+    outside the snapshot folder, and they belong to it."""
+    if not file or os.path.isabs(file) or os.path.splitdrive(file)[0]:
+        return True
+    normal = os.path.normpath(file)
+    return normal in (os.curdir, os.pardir) or normal.startswith(os.pardir + os.sep)
+
+
+def _check_tables(path: str, header: dict, vocab_size: int, intermediate_size: int, stem_layers: list[int]) -> set[int]:
+    """The STEM layers whose tables the file at `path` holds; raises on a table of another layer or shape."""
+    found = set()
+    for name, entry in header.items():
+        match = TABLE_KEY.search(name)
+        if match is None:
+            continue
+        layer = int(match.group(1))
+        if layer not in stem_layers:
+            raise ValueError(f"{path}: tensor {name} is a table for layer {layer}, not in stem_layers {stem_layers}")
+        if list(entry["shape"]) != [vocab_size, intermediate_size]:
+            raise ValueError(
+                f"{path}: tensor {name} has shape {entry['shape']} but the config expects [vocab_size, "
+                f"intermediate_size] = [{vocab_size}, {intermediate_size}]"
+            )
+        found.add(layer)
+    return found
+
+
+def check_checkpoint_files(
+    folder: str, vocab_size: int, intermediate_size: int, stem_layers: list[int], variant: str | None = None
+) -> str | None:
+    """Raises, naming the file and the tensor, if a local checkpoint (of `variant`, as `from_pretrained(...,
+    variant=...)` loads it) misses a shard or a table, holds a truncated or corrupt file or index, an index entry
+    outside the folder, files of two saves (a save killed between its renames), or a table whose shape disagrees with
+    the config. Returns the checkpoint's save id (None for one saved before save ids, or without an index). Does nothing
+    for non-safetensors folders."""
+    check_variant(variant or None)
+    single = variant_name(SAFE_WEIGHTS_NAME, variant)
+    index_name = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    index_path = os.path.join(folder, index_name)
+    save_id = None
+    if os.path.isfile(os.path.join(folder, single)):  # transformers prefers it over an index
+        files = {single: None}
+    elif os.path.isfile(index_path):
+        index = _read_index(index_path)
+        save_id = (index.get("metadata") or {}).get(SAVE_ID_KEY)
+        files = {}
+        for name, file in index["weight_map"].items():
+            if _leaves_folder(file):
+                raise ValueError(
+                    f"{index_path}: entry {file!r} for {name} points outside {folder}; an index may only name files "
+                    "inside its checkpoint folder"
+                )
+            files.setdefault(file, []).append(name)
+    else:
+        return None
+    config_id = _config_save_id(folder)
+    if config_id is not None and config_id not in _folder_save_ids(folder):
+        raise ValueError(
+            f"incomplete save: {os.path.join(folder, CONFIG_NAME)} belongs to another save (stem_save_id {config_id}) "
+            f"than any index in {folder}: a save into it was interrupted between its renames, or the config was copied "
+            f"from another checkpoint; re-run save_pretrained (or remove {SAVE_ID_KEY} from a config you copied)"
+        )
+    found_tables = set()
+    for file, names in files.items():
+        path = os.path.join(folder, file)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} is missing: {index_name} lists it as holding {len(names)} tensor(s), "
+                f"among them {sorted(names)[0]}"
+            )
+        header, metadata = _read_header(path)
+        file_id = metadata.get(SAVE_ID_KEY)
+        torn = None
+        if names is not None and file_id != save_id:
+            torn = ValueError(
+                f"incomplete save: {path} belongs to another save (stem_save_id {file_id}) than {index_name} "
+                f"(stem_save_id {save_id}): a save into {folder} was interrupted between its renames; re-run "
+                "save_pretrained"
+            )
+            if file_id is not None:  # a save wrote it, and not the one that wrote the index: nothing else matters
+                raise torn
+        for name in names or ():
+            if name not in header:
+                raise ValueError(f"{path} lacks tensor {name}, which {index_name} says it holds")
+        found_tables.update(_check_tables(path, header, vocab_size, intermediate_size, stem_layers))
+        if torn is not None:  # a file without an id among a save's: replaced by hand, or by a save before save ids
+            raise torn
+    missing = sorted(set(stem_layers) - found_tables)
+    if missing:
+        raise ValueError(
+            f"{folder}: the config lists STEM layer {missing[0]} but no file holds its table (stem_tables.{missing[0]}"
+            f".weight); STEM layers without a table: {missing}"
+        )
+    return save_id
+
+
+def _config_save_id(folder: str | os.PathLike) -> str | None:
+    path = os.path.join(folder, CONFIG_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # no config, or one transformers will report
+        return None
+    return config.get(SAVE_ID_KEY) if isinstance(config, dict) else None
+
+
+def unsaved_id() -> str:
+    """A save id no save has: what a model whose weights changed since its last load or save carries, so that results
+    evaluated on it are tied to no checkpoint (a record without any id would count as tied to every one)."""
+    return f"unsaved-{uuid.uuid4().hex}"
+
+
+def read_save_id(folder: str | os.PathLike, variant: str | None = None) -> str | None:
+    """The save id recorded in `folder`'s index (of `variant`); None where there is no index or it records none."""
+    path = os.path.join(folder, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
+    if not os.path.isfile(path):
+        return None
+    return (_read_index(path).get("metadata") or {}).get(SAVE_ID_KEY)
+
+
+def _folder_save_ids(folder: str | os.PathLike) -> set[str | None]:
+    """The save id of every safetensors index in `folder`, the default one and each variant's."""
+    index = re.compile(r"model\.safetensors\.index(?:\.([A-Za-z0-9_-]+))?\.json")
+    ids = set()
+    for entry in os.listdir(folder) if os.path.isdir(folder) else ():
+        match = index.fullmatch(entry)
+        if match is not None:
+            try:
+                ids.add(read_save_id(folder, match.group(1)))
+            except (OSError, ValueError):  # a broken index is the load's to report
+                continue
+    return ids
+
+
+def provenance_matches(record: dict, folder: str | os.PathLike) -> bool:
+    """Whether a provenance record (a conversion report, evaluation results) describes weights in `folder`: its
+    `stem_save_id` is that of an index there. A record without one is tied to no save (written by hand, or before save
+    ids existed) and is taken as it is."""
+    save_id = record.get(SAVE_ID_KEY) if isinstance(record, dict) else None
+    return save_id is None or save_id in _folder_save_ids(folder)
+
+
+def stale_provenance(folder: str | os.PathLike, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Those of the JSON files `names` in `folder` that record the save id of weights no longer there."""
+    stale = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):  # unreadable: the model card says so
+            continue
+        if not provenance_matches(record, folder):
+            stale.append(name)
+    return stale
+
+
+def stamp_safetensors(path: str, metadata: dict[str, str]) -> None:
+    """Adds `metadata` to the header of a safetensors file written by someone else (transformers' dense shards): a new
+    file with the grown header, the tensor bytes copied after it in the kernel (shared, not copied, on file systems
+    with reflinks), then renamed over the old one."""
+    _read_header(path)  # a file that is not whole gets no stamp
+    with open(path, "rb") as src:
+        (old_size,) = struct.unpack("<Q", src.read(8))
+        header = json.loads(src.read(old_size))
+        header["__metadata__"] = {**(header.get("__metadata__") or {}), **metadata}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keeps the tensor bytes 8-byte aligned, as safetensors writes them
+        tmp = path + ".stamp"
+        with open(tmp, "wb") as dst:
+            dst.write(struct.pack("<Q", len(raw)) + raw)
+            dst.flush()
+            start, length = 8 + old_size, os.path.getsize(path) - 8 - old_size
+            copied = 0
+            try:
+                while copied < length:
+                    n = os.copy_file_range(src.fileno(), dst.fileno(), length - copied, start + copied)
+                    if n == 0:
+                        break
+                    copied += n
+            except (AttributeError, OSError):  # no copy_file_range here, or not between these files
+                pass
+            if copied < length:
+                src.seek(start + copied)
+                dst.seek(8 + len(raw) + copied)
+                shutil.copyfileobj(src, dst, 16 << 20)
+    os.replace(tmp, path)
+
+
+# safetensors' names of the dtypes tables and offload stores are written in.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
+}  # fmt: skip
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+# Rows copied per write: what a save of a table larger than memory holds at a time.
+WRITE_BLOCK_BYTES = 64 << 20
+# The largest table file a save writes, whatever `max_shard_size` says: safetensors' loader maps each file
+# copy-on-write, and Linux refuses such a map when it is larger than the host's memory: one file of every table of a
+# large model would not load.
+TABLE_SHARD_BYTES = 5 * 10**9
+
+
+def block_rows(tensor_shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, block_bytes: int | None = None) -> int:
+    """Rows of a tensor of `tensor_shape` that make about `block_bytes` (default `WRITE_BLOCK_BYTES`) in `dtype`, at
+    least one."""
+    block_bytes = WRITE_BLOCK_BYTES if block_bytes is None else block_bytes
+    return max(1, block_bytes // max(1, math.prod(tensor_shape[1:]) * dtype.itemsize))
+
+
+class StemSafetensorsWriter:
+    """A safetensors file written in place, so that no tensor is ever held whole: the header first, as safetensors
+    writes it (tensors in name order, their bytes back to back, the header padded with spaces to 8 bytes), then rows
+    at their offsets in any order, by `write`. The file has its full size from the start. Single-dtype files only
+    (tables, offload stores), which is what makes safetensors' own order the name order."""
+
+    def __init__(self, path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, metadata: dict[str, str]):
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: no safetensors name for dtype {dtype}")
+        entries, size = {}, 0
+        for name in sorted(shapes):
+            nbytes = math.prod(shapes[name]) * dtype.itemsize
+            entries[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shapes[name]),
+                "data_offsets": [size, size + nbytes],
+            }
+            size += nbytes
+        header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        self.path, self.dtype, self.shapes = path, dtype, {name: tuple(shape) for name, shape in shapes.items()}
+        self.begin = {name: 8 + len(header) + entry["data_offsets"][0] for name, entry in entries.items()}
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
+        try:
+            self._pwrite(struct.pack("<Q", len(header)) + header, 0)
+            os.ftruncate(self.fd, 8 + len(header) + size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        data = memoryview(data)
+        while len(data):  # one call may write less than asked (Linux caps a call near 2 GiB)
+            if hasattr(os, "pwrite"):
+                written = os.pwrite(self.fd, data, offset)
+            else:  # Windows: no positioned write; this writer is not shared between threads
+                os.lseek(self.fd, offset, os.SEEK_SET)
+                written = os.write(self.fd, data)
+            data, offset = data[written:], offset + written
+
+    def write(self, name: str, first_row: int, rows: torch.Tensor) -> None:
+        """Writes `rows` (cast to the file's dtype) as rows `first_row...` of tensor `name`."""
+        shape = self.shapes[name]
+        if tuple(rows.shape[1:]) != shape[1:] or not 0 <= first_row <= first_row + len(rows) <= shape[0]:
+            raise ValueError(
+                f"{self.path}: rows of shape {list(rows.shape)} at row {first_row} do not fit {name} of shape "
+                f"{list(shape)}"
+            )
+        data = rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
+        self._pwrite(data, self.begin[name] + first_row * math.prod(shape[1:]) * self.dtype.itemsize)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "StemSafetensorsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# Python's mmap module names MAP_NORESERVE only from 3.13 on; Linux's value, which a few architectures change.
+_LINUX_MAP_NORESERVE = {"ppc": 0x40, "ppc64": 0x40, "ppc64le": 0x40, "sparc": 0x40, "sparc64": 0x40}.get(
+    platform.machine(), 0x400 if platform.machine().startswith("mips") else 0x4000
+)
+
+
+def _private_map(fileno: int) -> mmap.mmap:
+    """A copy-on-write map of a whole file. Linux charges a writable private map against memory when it is made and
+    refuses one larger than RAM unless told not to reserve (`MAP_NORESERVE`): pages are copied only when written."""
+    if os.name == "nt":
+        return mmap.mmap(fileno, 0, access=mmap.ACCESS_COPY)
+    noreserve = getattr(mmap, "MAP_NORESERVE", _LINUX_MAP_NORESERVE if sys.platform.startswith("linux") else 0)
+    return mmap.mmap(fileno, 0, flags=mmap.MAP_PRIVATE | noreserve, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def map_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a copy-on-write memory map of it (after `read_safetensors_header`'s
+    checks): pages are read in as they are used, and a write to a tensor copies the pages it touches instead of
+    altering the file."""
+    header, _ = _read_header(path)
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        data = header_size + 8
+        buffer = _private_map(f.fileno()) if os.path.getsize(path) > data else None
+    tensors = {}
+    for name, entry in header.items():
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} is {entry['dtype']}, which this reader does not map")
+        begin, end = entry["data_offsets"]
+        if end == begin:
+            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(buffer, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=data + begin)
+        tensors[name] = flat.view(entry["shape"])
+    return tensors
+
+
+def table_shards(
+    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, max_shard_size: int | str, variant: str | None = None
+) -> dict[str, list[str]]:
+    """The table files a save writes, `{file: [table names]}`: tables in layer order, packed greedily into files of
+    at most `max_shard_size` bytes and never more than `TABLE_SHARD_BYTES` (a table larger than that gets a file of its
+    own), named as transformers names shards."""
+    limit = _transformers_name("transformers.utils.hub", "convert_file_size_to_int")(max_shard_size)
+    limit = min(limit, TABLE_SHARD_BYTES)
+    shards, size = [[]], 0
+    for name in sorted(shapes, key=lambda n: int(TABLE_KEY.search(n).group(1))):
+        nbytes = math.prod(shapes[name]) * dtype.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    shards = [names for names in shards if names]
+    return {_shard_name(TABLES_NAME, variant, i, len(shards)): names for i, names in enumerate(shards, start=1)}
+
+
+def table_metadata(save_id: str | None) -> dict[str, str]:
+    """The metadata of a table file of save `save_id`."""
+    return {"format": "pt", **({SAVE_ID_KEY: save_id} if save_id else {})}
+
+
+def save_tables(
+    tables: dict[str, torch.Tensor],
+    folder: str,
+    dtype: torch.dtype,
+    max_shard_size: int | str,
+    save_id: str | None = None,
+    variant: str | None = None,
+) -> dict:
+    """Writes the tables in `dtype` to `stem-tables[.VARIANT]-XXXXX-of-YYYYY.safetensors` files (`table_shards`), each
+    stamped with `save_id`, a block of rows at a time: a table is never cast or copied whole, so memory-mapped tables
+    larger than memory save too. Returns their weight map."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in tables.items()}
+    files = table_shards(shapes, dtype, max_shard_size, variant)
+    weight_map = {}
+    for file, names in logging.tqdm(files.items(), desc="Writing STEM tables", disable=not files):
+        with StemSafetensorsWriter(
+            os.path.join(folder, file), {n: shapes[n] for n in names}, dtype, table_metadata(save_id)
+        ) as writer:
+            for name in names:
+                table, step = tables[name].detach(), block_rows(shapes[name], dtype)
+                for start in range(0, len(table), step):
+                    writer.write(name, start, table[start : start + step])
+        weight_map.update(dict.fromkeys(names, file))
+    return weight_map
+
+
+def finish_checkpoint(
+    folder: str,
+    tables: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    max_shard_size,
+    total_parameters: int,
+    variant: str | None = None,
+    save_id: str | None = None,
+    written: dict[str, str] | None = None,
+) -> str:
+    """Adds the tables to a folder where transformers saved the dense weights (of `variant`), stamps every weight file
+    with the save id (default: a fresh one), and writes one index for all files, with that id. Returns the id.
+    `written`: the weight map of tables already in the folder, written with `save_id` (by a conversion that streams
+    them there); `tables` is then not written."""
+    if written is not None and save_id is None:
+        raise ValueError("finish_checkpoint: tables already written carry a save id; pass it")
+    save_id = save_id or uuid.uuid4().hex
+    index_path = os.path.join(folder, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
+    if os.path.isfile(index_path):
+        weight_map = _read_index(index_path)["weight_map"]
+    else:
+        # An index beside `model.safetensors` would be ignored: transformers loads the single file first.
+        dense = _shard_name(SAFE_WEIGHTS_NAME, variant, 1, 1)
+        os.rename(os.path.join(folder, variant_name(SAFE_WEIGHTS_NAME, variant)), os.path.join(folder, dense))
+        weight_map = dict.fromkeys(read_safetensors_header(os.path.join(folder, dense)), dense)
+    # transformers writes its shards with no say over their metadata: the id goes in afterwards. The dense bytes are
+    # copied once more, within the staging folder, which is what telling a torn save apart at load costs.
+    for file in set(weight_map.values()):
+        stamp_safetensors(os.path.join(folder, file), {SAVE_ID_KEY: save_id})
+    # The config too: a commit killed after config.json went in, under an old index whose files the new save does not
+    # replace (other shard names), would otherwise pair the new config with the old weights.
+    config_path = os.path.join(folder, CONFIG_NAME)
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        config[SAVE_ID_KEY] = save_id
+        with open(config_path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    weight_map.update(
+        written if written is not None else save_tables(tables, folder, dtype, max_shard_size, save_id, variant)
+    )
+    total_size = 0
+    for file in set(weight_map.values()):
+        total_size += sum(
+            e["data_offsets"][1] - e["data_offsets"][0]
+            for e in read_safetensors_header(os.path.join(folder, file)).values()
+        )
+    index = {
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size, SAVE_ID_KEY: save_id},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    with open(index_path, "w") as f:
+        f.write(json.dumps(index, indent=2) + "\n")
+    return save_id
+
+
+_MADV_RANDOM = 1  # the same value on Linux and macOS
+
+
+def advise_random_access(tensor: torch.Tensor) -> bool:
+    """Tells the kernel that a memory-mapped tensor is read at random. Without it, each page fault on a table reads
+    ahead its neighbours, so a forward that needs 3% of a table's rows pulls ~14% of its bytes from disk; with it, ~4%.
+    Only a hint: returns False where the platform has no `madvise`."""
+    if os.name != "posix" or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    return libc.madvise(start, end - start, _MADV_RANDOM) == 0
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock(folder: str) -> int | None:
+    """Holds an exclusive lock on `folder` for as long as the returned descriptor is open; the kernel drops it when the
+    process dies, which is how a later save tells a killed save's staging folder from a running one's. None where
+    locks are not available."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _abandoned(folder: str) -> bool:
+    """Whether a staging folder was left by a save that no longer runs: no process holds its lock and it is over a
+    minute old (a save that has just made it may not hold the lock yet). Where no lock can tell, only after a day."""
+    age = time.time() - os.lstat(folder).st_mtime
+    if age < _STALE_AFTER_S:
+        return False
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        return age > _STALE_UNLOCKED_AFTER_S
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return age > _STALE_UNLOCKED_AFTER_S
+    finally:
+        os.close(fd)
+    return True
+
+
+def _remove_abandoned_staging(target: str) -> None:
+    """Removes the staging folders of killed saves to `target`: inside it (any `.stem-saving-*` folder: the target's
+    own), and beside it those named for it. Files, other targets' folders and running saves' folders stay."""
+    parent, name = os.path.split(target)
+    beside = re.compile(re.escape(f"{_STAGING_PREFIX}{name}-") + r"[0-9a-f]{12}")
+    candidates = [os.path.join(parent, entry) for entry in os.listdir(parent) if beside.fullmatch(entry)]
+    if os.path.isdir(target):
+        candidates += [os.path.join(target, e) for e in os.listdir(target) if e.startswith(_STAGING_PREFIX)]
+    for path in candidates:
+        if os.path.isdir(path) and not os.path.islink(path) and _abandoned(path):
+            logger.warning(f"removing {path}, left by a save that was killed before it finished")
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def staged_folder(target: str | os.PathLike, variant: str | None = None) -> Iterator[str]:
+    """Yields an empty folder beside `target` to save into, then commits it: a new `target` appears in one rename; an
+    existing one gets each file replaced by rename (weight files first, the index of `variant` last) and stale weight
+    files of `variant` removed. Every byte is on disk before the first rename, and nothing in `target` is touched if
+    the save fails. A commit killed between its renames leaves weight files whose save id differs from the index's,
+    which `check_checkpoint_files` refuses; the staging folders of killed saves are removed by the next save."""
+    target = os.path.abspath(target)
+    if os.path.isfile(target):
+        raise NotADirectoryError(f"{target} is a file; save_pretrained needs a folder")
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    _remove_abandoned_staging(target)
+    # Stage inside an existing target (same filesystem even if it is a mount point), beside a new one, named for it so
+    # that the next save to it can clean up after a killed one.
+    if os.path.isdir(target):
+        staging = os.path.join(target, _STAGING_PREFIX + secrets.token_hex(6))
+    else:
+        staging = os.path.join(parent, f"{_STAGING_PREFIX}{os.path.basename(target)}-{secrets.token_hex(6)}")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.mkdir(staging)  # with the usual permissions: a new checkpoint is this folder
+    lock = _lock(staging)
+    try:
+        yield staging
+        for name in os.listdir(staging):
+            _fsync(os.path.join(staging, name))
+        if not os.path.exists(target):
+            os.rename(staging, target)
+        else:
+            new = os.listdir(staging)
+            weight_files = _weight_files(variant)
+            index_name = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+            single = variant_name(SAFE_WEIGHTS_NAME, variant)
+            stale = [f for f in os.listdir(target) if weight_files.fullmatch(f) and f not in new]
+            for name in new:  # files mkstemp-like writers made private get the usual permissions too
+                os.chmod(os.path.join(staging, name), 0o666 & ~umask)
+            # Weight files first: once one is in, the old index no longer matches and a kill is caught at load; the
+            # config and code follow, so they never change under old weights.
+            for name in sorted(new, key=lambda f: (f == index_name, not weight_files.fullmatch(f), f)):
+                if name == index_name and single in stale:
+                    # transformers would load a stale single file in preference to the new index.
+                    os.remove(os.path.join(target, single))
+                    stale.remove(single)
+                os.replace(os.path.join(staging, name), os.path.join(target, name))
+            for name in stale:
+                os.remove(os.path.join(target, name))
+        _fsync(parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+
+
+# Tables in memory ----------------------------------------------------------------------------------------------
+
+
+class StemTable(nn.Embedding):
+    """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
+    the token embedding and give it the paper's xavier-normal init."""
+
+
+class StemTableRows:
+    """The table rows of one batch, handed out per STEM layer.
+
+    This default gathers each layer's rows when that layer asks, inside the layer's (possibly checkpointed) forward, so
+    activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a model on an
+    accelerator is read on the host for the batch's distinct ids only, and only those rows cross to the accelerator.
+    An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
+    """
+
+    def __init__(self, tables: "StemTables", stem_input_ids: torch.LongTensor):
+        self.tables = tables
+        self.stem_input_ids = stem_input_ids
+        self._unique = None
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        table = self.tables[str(layer_idx)]
+        ids = self.stem_input_ids
+        table_device = table.weight.device
+        if table_device == ids.device or table_device.type == "meta":  # meta: an accelerate hook brings the weight
+            return table(ids)
+        return self.gather_unique(table, ids)
+
+    def gather_unique(self, table: nn.Embedding, ids: torch.LongTensor) -> torch.Tensor:
+        """Rows for `ids` from a table on another device: looks up each distinct id once on the table's device and
+        moves only those rows to the device of `ids`. Differentiable, so host-resident tables also train."""
+        if self._unique is None:  # deduplicate once per forward, for every layer
+            unique, inverse = torch.unique(ids.to(table.weight.device), return_inverse=True)
+            self._unique = unique, inverse.to(ids.device, non_blocking=True)
+        unique, inverse = self._unique
+        return table(unique).to(ids.device, non_blocking=True)[inverse]
+
+
+class StemSoftPromptRows:
+    """Rows for inputs whose first `num_soft` positions are soft prompts (embeddings with no token, as PEFT prompt
+    tuning prepends): those positions get a zero row, so a STEM layer's FFN adds nothing there."""
+
+    def __init__(self, rows, num_soft: int):
+        self.rows = rows
+        self.num_soft = num_soft
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        return nn.functional.pad(self.rows[layer_idx], (0, 0, self.num_soft, 0))
+
+
+_OPTIMIZER_HOOK = None  # the handle of `_check_optimizer`, registered at most once per process
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
+    table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
+    Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
+    decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
+    Trainer's groups."""
+    tables = getattr(optimizer, "_stem_tables", None)
+    if tables is None:
+        tables = optimizer._stem_tables = [
+            (group, p) for group in optimizer.param_groups for p in group["params"] if getattr(p, "_stem_table", False)
+        ]
+        decayed = next((group for group, _ in tables if group.get("weight_decay")), None)
+        if decayed is not None:
+            logger.warning(
+                f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "
+                "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
+                "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
+            )
+    for _, param in tables:
+        if param.dtype != torch.float32:
+            continue  # only an upcast table needs its state raised; optimizers may keep fp32 state on purpose
+        state = optimizer.state.get(param, {})
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dtype in (torch.bfloat16, torch.float16) and value.shape == param.shape:
+                state[key] = value.float()
+
+
+class StemTables(nn.ModuleDict):
+    """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`.
+
+    Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
+    accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
+
+    Trainable tables train in float32: `train()` casts them (`upcast_trainable`; set `upcast_for_training` to False to
+    keep them as stored) and sets `config.table_dtype` to float32, so that saves keep every update. A bf16 value moves
+    only by steps of 1/256 of its size: fine-tuning updates would round away in training and again at save time.
+    """
+
+    upcast_for_training: bool = True
+
+    def __init__(self, config: StemConfig):
+        dtype = getattr(torch, config.table_dtype)
+        super().__init__(
+            {str(i): StemTable(config.vocab_size, config.intermediate_size, dtype=dtype) for i in config.stem_layers}
+        )
+        self.config = config
+
+    def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
+        if self.training and torch.is_grad_enabled():
+            low = {
+                str(t.weight.dtype)[6:]
+                for t in self.values()
+                if t.weight.requires_grad and t.weight.dtype != torch.float32
+            }
+            if low:
+                logger.warning_once(
+                    f"training STEM tables in {', '.join(sorted(low))}: updates smaller than 1/256 of a value are lost "
+                    "to rounding. Call model.base_model.stem_tables.upcast_trainable() before wrapping the model for "
+                    "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
+                )
+        return StemTableRows(self, stem_input_ids)
+
+    def train(self, mode: bool = True) -> "StemTables":
+        super().train(mode)
+        if mode:
+            trainable = [t.weight for t in self.values() if t.weight.requires_grad]
+            for weight in trainable:
+                weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
+            global _OPTIMIZER_HOOK
+            if trainable and _OPTIMIZER_HOOK is None:
+                _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+            # A model wrapped for DDP/FSDP cannot change a parameter's dtype: there, upcast_trainable() is the
+            # caller's, before wrapping, and the forward warns.
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if self.upcast_for_training and not distributed:
+                self.upcast_trainable()
+        return self
+
+    def upcast_trainable(self) -> list[str]:
+        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is),
+        records float32 in `config.table_dtype` (what saves write: `model.set_table_dtype("bfloat16")` stores bf16
+        again), and returns their layer keys. Sharded (DTensor) tables are left as they are."""
+        keys = [
+            k
+            for k, t in self.items()
+            if t.weight.requires_grad
+            and t.weight.dtype != torch.float32
+            and t.weight.device.type != "meta"
+            and type(t.weight).__name__ != "DTensor"
+        ]
+        if not keys:
+            return []
+        stored = self.config.table_dtype
+        for key in keys:
+            self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
+        # Saves follow the config: float32 once every table is, so the updates are kept; with frozen tables still in
+        # their stored dtype, the config stays and the save warns that it rounds the trained ones.
+        if all(t.weight.dtype == torch.float32 for t in self.values()):
+            self.config.table_dtype = "float32"
+        logger.warning_once(
+            f"STEM tables {keys} train in float32: cast from {stored} in memory "
+            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); config.table_dtype is "
+            f"{self.config.table_dtype} (model.set_table_dtype chooses what saves write). Freeze them "
+            "(requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them as "
+            "stored"
+        )
+        return keys
+
+    def _apply(self, fn, recurse=True):
+        weight = next(self.parameters(), None)
+        if weight is None:
+            return super()._apply(fn, recurse)
+        # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
+        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
+        device = probe.device
+        if self.config.keep_tables_on_cpu and device.type != "cpu" and device != weight.device:
+            device = torch.device("cpu")  # a refused move: stay in, or come to, host memory
+        if probe.dtype == weight.dtype and device == probe.device:
+            return super()._apply(fn, recurse)  # no cast and no refused move: e.g. share_memory_, a move to CPU
+        if device == weight.device:
+            return self
+        if weight.device.type == "meta":  # nothing to copy: `to_empty` to an accelerator lands tables on the CPU
+            return super()._apply(lambda t: torch.empty_like(t, device=device), recurse)
+        return super()._apply(lambda t: t.to(device), recurse)
+
+    @torch.no_grad()
+    def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
+        """Gives every table `new_num_tokens` rows. Kept rows are copied; new rows are the mean of the old rows
+        (`mean_resizing=True`: the table's best guess for a token it knows nothing about) or drawn from the paper's
+        xavier-normal init (`mean_resizing=False`)."""
+        for key, old in list(self.items()):
+            old_num_tokens, dim = old.weight.shape
+            if old_num_tokens == new_num_tokens:
+                continue
+            new = StemTable(new_num_tokens, dim, device=old.weight.device, dtype=old.weight.dtype)
+            kept = min(old_num_tokens, new_num_tokens)
+            new.weight[:kept] = old.weight[:kept]
+            if new_num_tokens > old_num_tokens:
+                if mean_resizing:
+                    new.weight[old_num_tokens:] = old.weight.mean(0, dtype=torch.float32).to(old.weight.dtype)
+                else:
+                    new.weight[old_num_tokens:].normal_(0.0, xavier_normal_std(new_num_tokens, dim))
+            new.weight.requires_grad_(old.weight.requires_grad)
+            self[key] = new
+
+
+def xavier_normal_std(vocab_size: int, intermediate_size: int) -> float:
+    return math.sqrt(2.0 / (vocab_size + intermediate_size))
+
+
+# Loading --------------------------------------------------------------------------------------------------------
+
+# What `from_pretrained` passes on to read a config from the Hub.
+_CONFIG_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+# Config fields that give the saved tensors their shapes: a load cannot change them.
+_FIXED_AT_SAVE = ("stem_layers", "vocab_size", "intermediate_size", "hidden_size", "num_hidden_layers")
+
+
+def _refuse_shape_overrides(config, kwargs: dict) -> None:
+    """Raises if `from_pretrained(..., stem_layers=...)` (or another shape field) asks for other tensors than the
+    checkpoint holds: the override would otherwise reach the weights as a missing or unexpected table."""
+    for name in _FIXED_AT_SAVE:
+        if name not in kwargs:
+            continue
+        wanted = kwargs[name]
+        if name == "stem_layers":
+            wanted = resolve_stem_layers(wanted, config.num_hidden_layers)
+        if wanted != getattr(config, name):
+            hint = " (convert the dense model again with the layers you want)" if name == "stem_layers" else ""
+            raise ValueError(
+                f"{name}={kwargs[name]!r}: the checkpoint was saved with {name}={getattr(config, name)!r}, and a load "
+                f"cannot change which tensors it holds{hint}"
+            )
+        del kwargs[name]
+
+
+def prepare_load(model_class: type, path, kwargs: dict) -> str | None:
+    """What `from_pretrained` does before transformers loads: refuses shape overrides, checks a local checkpoint's
+    files (a missing shard, a truncated or corrupt file, a table whose shape disagrees with the config raise an error
+    naming the file and tensor), and rewrites a `device_map` so that it leaves the tables in host memory. Edits
+    `kwargs` in place; returns the local checkpoint's save id (None for a Hub id)."""
+    if path is None:
+        return None
+    folder = os.path.join(os.fspath(path), kwargs.get("subfolder", ""))
+    device_map = kwargs.get("device_map")
+    if not (os.path.isdir(folder) or device_map is not None or any(name in kwargs for name in _FIXED_AT_SAVE)):
+        return None
+    config_class = model_class.config_class
+    config = kwargs.get("config")
+    if getattr(config, "model_type", None) != config_class.model_type:
+        # The config from_pretrained will build: the saved one with the caller's overrides applied.
+        fields = {f.name for f in dataclasses.fields(config_class)} - set(_FIXED_AT_SAVE)
+        overrides = {k: v for k, v in kwargs.items() if k in fields or k in _CONFIG_KWARGS}
+        config = config_class.from_pretrained(path, **overrides)
+    _refuse_shape_overrides(config, kwargs)
+    save_id = None
+    if os.path.isdir(folder):
+        save_id = check_checkpoint_files(
+            folder, config.vocab_size, config.intermediate_size, config.stem_layers, kwargs.get("variant")
+        )
+    if device_map is not None and config.keep_tables_on_cpu and config.stem_layers:
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        kwargs["device_map"] = device_map_keeping_tables_on_cpu(
+            model_class, config, device_map, kwargs.get("max_memory"), dtype
+        )
+    return save_id
+
+
+def device_map_keeping_tables_on_cpu(
+    model_class: type, config, device_map, max_memory: dict | None = None, dtype: torch.dtype | str | None = None
+) -> dict:
+    """The device map transformers would use, with no entry that covers a table. Parameters outside the map load on
+    CPU and get no accelerate hook, so the tables stay in host memory (memory-mapped) and each forward moves only the
+    rows it needs; a "cpu" entry would instead copy the whole table to the accelerator at every forward."""
+    # Private helpers of transformers: what placing the dense part exactly as transformers would takes.
+    get_device_map = _transformers_name("transformers.integrations.accelerate", "_get_device_map")
+    check_and_set_device_map = _transformers_name("transformers.integrations.accelerate", "check_and_set_device_map")
+    if dtype is None or dtype == "auto":
+        dtype = config.dtype or torch.float32
+    with torch.device("meta"):
+        model = model_class(config).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)  # sizes the map
+    tables = model.base_model.stem_tables
+    tables_name = next(name for name, module in model.named_modules() if module is tables)
+    device_map = check_and_set_device_map(device_map)
+    if isinstance(device_map, str):  # "auto", "balanced", ...: place the model as if it had no tables
+        for key in list(tables.keys()):
+            del tables[key]
+        device_map = get_device_map(model, device_map, max_memory, None)
+    device_map = {k: v for k, v in device_map.items() if k != tables_name and not k.startswith(tables_name + ".")}
+    modules = dict(model.named_modules())
+    while (covering := next((k for k in device_map if k == "" or tables_name.startswith(k + ".")), None)) is not None:
+        device = device_map.pop(covering)
+        prefix = f"{covering}." if covering else ""
+        parent = modules[covering]
+        children = [name for name, _ in parent.named_children()]
+        children += [name for name, _ in parent.named_parameters(recurse=False)]
+        children += [name for name, _ in parent.named_buffers(recurse=False)]
+        device_map.update({prefix + name: device for name in children if prefix + name != tables_name})
+    return device_map
+
+
+def finish_load(model, save_id: str | None) -> None:
+    """Records which save of the folder's weights `model` holds (provenance files beside them are matched against it,
+    not against whatever a later save left in the folder) and advises the kernel that tables are read at random."""
+    model.stem_save_id = save_id
+    for table in model.base_model.stem_tables.values():
+        advise_random_access(table.weight)
+
+
+# Saving ---------------------------------------------------------------------------------------------------------
+
+
+def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
+    """(tables, dense) of `state_dict` (default: the model's), refusing tables offloaded to disk and warning where the
+    save rounds tables held in a finer dtype than `config.table_dtype`."""
+    if state_dict is None:
+        state_dict = model.state_dict()
+    tables = {name: tensor for name, tensor in state_dict.items() if TABLE_KEY.search(name)}
+    dense = {name: tensor for name, tensor in state_dict.items() if name not in tables}
+    offloaded = [name for name, tensor in tables.items() if tensor.device.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"{offloaded[0]} is offloaded to disk (on the meta device) and cannot be saved: load the model with "
+            "keep_tables_on_cpu=True (the default) or without a 'disk' entry for the tables in device_map"
+        )
+    stored = getattr(torch, model.config.table_dtype)
+    finer = sorted({str(t.dtype)[6:] for t in tables.values() if t.itemsize > stored.itemsize})
+    if finer:
+        logger.warning_once(
+            f"tables held in {', '.join(finer)} (trained: train() upcasts them) are saved in config.table_dtype "
+            f"{model.config.table_dtype}, which rounds away updates smaller than its spacing; "
+            "model.set_table_dtype('float32') before saving keeps every update, in twice the bytes"
+        )
+    return tables, dense
+
+
+def write_checkpoint(
+    model,
+    folder: str,
+    save_dense: Callable,
+    state_dict: dict | None = None,
+    max_shard_size: int | str = "50GB",
+    save_id: str | None = None,
+    written: dict[str, str] | None = None,
+    **kwargs,
+) -> str:
+    """What `save_checkpoint` writes into its staging `folder`: config, code and dense weights by `save_dense`
+    (transformers' own), the tables, one index. `save_id` and `written` as `finish_checkpoint` takes them: a
+    conversion that streamed its tables into `folder` passes their weight map. Returns the save id, which the model
+    then records as that of the weights it holds."""
+    variant = kwargs.pop("variant", None) or None
+    tables, dense = _split_state_dict(model, state_dict)
+    # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
+    if model._auto_class is not None:
+        auto_map = getattr(model.config, "auto_map", None) or {}
+        model.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
+    save_dense(folder, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
+    dtype = getattr(torch, model.config.table_dtype)
+    save_id = finish_checkpoint(
+        folder, tables, dtype, max_shard_size, model.num_parameters(), variant, save_id, written
+    )
+    model.stem_save_id = save_id  # the weights in memory are now those of this save
+    return save_id
+
+
+def save_checkpoint(
+    model,
+    save_directory: str | os.PathLike,
+    save_dense: Callable,
+    state_dict: dict | None = None,
+    push_to_hub: bool = False,
+    max_shard_size: int | str = "50GB",
+    **kwargs,
+) -> str:
+    """`save_pretrained` of a STEM model: `save_dense` (transformers' own) writes config, code and dense weights, and
+    the tables go to their own `stem-tables-XXXXX-of-YYYYY.safetensors` files (in `config.table_dtype`, at most
+    `max_shard_size` each) listed with the dense shards in one `model.safetensors.index.json`. The save is staged in a
+    hidden folder (beside a new `save_directory`, inside an existing one) and committed by renames, so an interrupted
+    save never leaves half-written files in place of a good checkpoint; every weight file and the index, written last,
+    carry one fresh save id, so that a save killed between its renames is refused at load rather than loaded as a mix
+    of two saves. With `variant` ("fp16"), files are named as transformers names a variant's. Provenance files already
+    in `save_directory` that record an earlier save's id are kept, named in a warning, and left out of the model card.
+    Returns the save id."""
+    variant = kwargs.get("variant") or None
+    check_variant(variant)
+    hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
+    with staged_folder(save_directory, variant) as staging:
+        save_id = write_checkpoint(model, staging, save_dense, state_dict, max_shard_size, **kwargs)
+    stale = stale_provenance(save_directory, PROVENANCE_FILES)
+    if stale:
+        logger.warning(
+            f"{save_directory}: {', '.join(stale)} describe the weights of an earlier save, not these; they are "
+            "kept but left out of the model card. Re-run the conversion or evaluation, or remove them."
+        )
+    write_card(model, save_directory)
+    if push_to_hub:
+        repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
+        model.push_to_hub(repo_id, max_shard_size=max_shard_size, token=kwargs.get("token"), **hub_kwargs)
+    return save_id
+
+
+def write_card(model, folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None) -> None:
+    """Writes or refreshes `README.md` with the model's card writer (set when stem_hf is installed); never replaces a
+    card a person wrote. A card that cannot be rendered is a warning: the weights are saved by then."""
+    writer = getattr(model, "_model_card_writer", None)
+    if writer is None:
+        return
+    try:
+        writer(folder, repo_id=repo_id, tags=[*(model.model_tags or []), *(tags or [])])
+    except Exception as err:  # noqa: BLE001 - a card is never worth failing a save that already succeeded
+        logger.warning(f"no model card written to {folder}: {type(err).__name__}: {err}")
+
+
+__all__ = [
+    "CONFIG_NAME",
+    "PROVENANCE_FILES",
+    "REPORT_FILE",
+    "RESULTS_FILE",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "SAVE_ID_KEY",
+    "TABLE_KEY",
+    "StemSafetensorsWriter",
+    "StemSoftPromptRows",
+    "StemTable",
+    "StemTableRows",
+    "StemTables",
+    "TABLES_NAME",
+    "TABLE_SHARD_BYTES",
+    "WRITE_BLOCK_BYTES",
+    "advise_random_access",
+    "block_rows",
+    "check_checkpoint_files",
+    "check_variant",
+    "device_map_keeping_tables_on_cpu",
+    "finish_checkpoint",
+    "finish_load",
+    "map_safetensors",
+    "prepare_load",
+    "provenance_matches",
+    "read_safetensors_header",
+    "read_safetensors_metadata",
+    "read_save_id",
+    "save_checkpoint",
+    "save_tables",
+    "stale_provenance",
+    "staged_folder",
+    "stamp_safetensors",
+    "table_metadata",
+    "table_shards",
+    "unsaved_id",
+    "variant_name",
+    "write_checkpoint",
+    "write_card",
+    "xavier_normal_std",
+]

@@ -1,0 +1,222 @@
+"""The model under every transformers release it supports (CI runs this file under the oldest and the newest): the KV
+cache under the name the installed transformers passes, generation against fixed references (tokens saved under
+transformers 5.23, uncached greedy), unknown arguments refused, and the supported range checked."""
+
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import DynamicCache, Trainer, TrainingArguments
+
+from stem_hf import StemForCausalLM
+from stem_hf.compat_stem import CACHE_ARG, SUPPORTED_TRANSFORMERS, check_transformers_version, supports_transformers
+from tests.conftest import tiny_model
+from tests.test_training import _dataset
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "saved-5.23")
+REFERENCE = load_file(os.path.join(DATA, "reference.safetensors"))
+PROMPTS, GREEDY = REFERENCE["prompts"], REFERENCE["greedy"]
+NEW_TOKENS = GREEDY.shape[1] - PROMPTS.shape[1]
+MINOR = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+
+@pytest.fixture(scope="module")
+def saved() -> StemForCausalLM:
+    """The checkpoint saved under transformers 5.23, loaded by this package's code."""
+    return StemForCausalLM.from_pretrained(os.path.join(DATA, "checkpoint")).eval()
+
+
+def _uncached_greedy(model: StemForCausalLM, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            next_ids = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_ids], dim=1)
+    return ids
+
+
+def _generate(model: StemForCausalLM, ids: torch.Tensor = PROMPTS, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs
+        )
+
+
+def test_the_cache_goes_by_the_name_the_installed_transformers_uses():
+    assert CACHE_ARG == ("cache" if MINOR >= (5, 24) else "past_key_values")
+    model = tiny_model()
+    for forward in (model.forward, model.model.forward, model.model.layers[0].forward):
+        assert CACHE_ARG in inspect.signature(forward).parameters  # what generate and the checkpointing layer see
+    assert CACHE_ARG in inspect.signature(model.prepare_inputs_for_generation).parameters
+    assert model.config.keys_to_ignore_at_inference == [CACHE_ARG]
+    assert CACHE_ARG in model._skip_keys_device_placement
+
+
+def test_a_checkpoint_saved_under_5_23_gives_its_logits_and_greedy_tokens(saved):
+    with torch.no_grad():
+        assert torch.equal(saved(PROMPTS).logits, REFERENCE["logits"])
+    assert torch.equal(_uncached_greedy(saved, PROMPTS), GREEDY)
+    assert torch.equal(_generate(saved), GREEDY)
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_cached_generation_matches_the_saved_tokens(saved, cache_implementation):
+    assert torch.equal(_generate(saved, cache_implementation=cache_implementation), GREEDY)
+
+
+def test_assisted_and_prompt_lookup_generation_match_the_saved_tokens(saved):
+    for row in range(PROMPTS.shape[0]):  # transformers assists one sequence at a time
+        prompt = PROMPTS[row : row + 1]
+        assert torch.equal(_generate(saved, prompt, assistant_model=saved), GREEDY[row : row + 1])
+        assert torch.equal(_generate(saved, prompt, prompt_lookup_num_tokens=3), GREEDY[row : row + 1])
+
+
+def test_the_returned_cache_holds_every_position_and_continues_the_text(saved):
+    with torch.no_grad():
+        out = saved.generate(PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, GREEDY)
+    cache = getattr(out, CACHE_ARG)
+    assert cache.get_seq_length() == GREEDY.shape[1] - 1  # the last token is generated, not yet fed back
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_step_by_step_decode_takes_either_cache_name(saved, name):
+    cache = DynamicCache(config=saved.config)
+    ids = PROMPTS
+    with torch.no_grad():
+        step = ids
+        for _ in range(NEW_TOKENS):
+            out = saved(step, use_cache=True, **{name: cache})
+            step = out.logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, step], dim=1)
+    assert getattr(out, CACHE_ARG) is cache
+    assert torch.equal(ids, GREEDY)
+
+
+def test_both_cache_names_or_an_unknown_argument_are_errors(saved):
+    cache = DynamicCache(config=saved.config)
+    with pytest.raises(TypeError, match="both `cache` and `past_key_values`"):
+        saved(PROMPTS, cache=cache, past_key_values=cache)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'past_key_value'"):
+        saved(PROMPTS, past_key_value=cache)  # a typo would otherwise run without a cache, silently
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'kv_cache'"):
+        saved.model(PROMPTS, kv_cache=cache)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_no_deprecation_of_the_cache_name_on_forward_generate_and_checkpointed_training(saved):
+    handler = _Records()
+    transformers.logging.get_logger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _generate(saved)
+            _generate(saved, cache_implementation="static")
+            model = tiny_model(table_dtype="float32")
+            model.gradient_checkpointing_enable()
+            model.train()
+            model(PROMPTS % 96, labels=PROMPTS % 96, use_cache=True).loss.backward()
+    finally:
+        transformers.logging.get_logger().removeHandler(handler)
+    messages = [str(w.message) for w in caught] + handler.messages
+    about_cache = [m for m in messages if "past_key_values" in m or "`cache`" in m]
+    assert not about_cache, about_cache
+    assert not [w for w in caught if issubclass(w.category, FutureWarning) and "stem_hf" in w.filename]
+
+
+def test_gradient_checkpointing_gives_the_loss_and_gradients_of_a_plain_step():
+    def step(checkpointing: bool) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(0)
+        model = tiny_model(table_dtype="float32")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+        loss = model(ids, labels=ids, use_cache=True).loss  # checkpointing must drop the cache, not fill it twice
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain_grads = step(False)
+    loss, grads = step(True)
+    assert torch.equal(loss, plain_loss)
+    assert plain_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_trainer_predictions_leave_the_cache_out(tmp_path):
+    model = tiny_model()
+    dataset = _dataset(4)
+    args = TrainingArguments(str(tmp_path), per_device_eval_batch_size=2, report_to=[], use_cpu=True)
+    predictions = Trainer(model=model, args=args).predict(dataset).predictions
+    # With the cache among the outputs, predictions would be a tuple of logits and per-layer key/value tensors.
+    assert isinstance(predictions, np.ndarray), type(predictions)
+    assert predictions.shape == (4, len(dataset[0]["input_ids"]), model.config.vocab_size)
+
+
+def test_the_supported_range_is_checked_by_minor_release():
+    assert SUPPORTED_TRANSFORMERS == ">=5.18,<5.25"
+    assert supports_transformers("5.18.0") and supports_transformers("5.24.3") and supports_transformers("5.24.0rc1")
+    assert not supports_transformers("5.17.2") and not supports_transformers("5.25.0.dev0")
+    assert not supports_transformers("6.0.0") and not supports_transformers("4.57.1")
+    with pytest.warns(UserWarning, match=r"transformers>=5\.18,<5\.25 and transformers 5\.25\.0 is installed"):
+        check_transformers_version("5.25.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_transformers_version()  # the installed release is in range: no warning
+
+
+def test_the_copied_code_warns_under_a_transformers_outside_its_range(tmp_path, saved):
+    saved.save_pretrained(tmp_path / "checkpoint")
+    # The copied modeling file checks at import: load it, then import it again as if transformers were 5.99.
+    code = f"""
+        import importlib, importlib.abc, sys, warnings
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "stem_hf":
+                    raise ModuleNotFoundError(name)
+        sys.meta_path.insert(0, Block())
+        from transformers import AutoModelForCausalLM
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "checkpoint")!r}, trust_remote_code=True)
+        assert not [w for w in caught if "STEM model's code is tested with" in str(w.message)]
+        modeling = sys.modules[type(model).__module__]
+        sys.modules[modeling.check_transformers_version.__module__].transformers.__version__ = "5.99.0"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            importlib.reload(modeling)
+        print(type(model).__module__)
+        print([str(w.message) for w in caught if "STEM model's code is tested with" in str(w.message)])
+    """
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    module, messages = run.stdout.strip().splitlines()[-2:]
+    assert module.startswith("transformers_modules")
+    assert "transformers 5.99.0 is installed" in messages and "stem-hf refresh-code" in messages
+
+
+def test_a_saved_config_records_the_range_of_its_code(tmp_path, saved):
+    saved.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["supported_transformers"] == SUPPORTED_TRANSFORMERS
