@@ -59,7 +59,7 @@ def _add_eval_parser(commands) -> None:
 
 
 def _add_hub_parsers(commands) -> None:
-    """Model cards and the Hub: `stem-hf card`, `stem-hf push`."""
+    """Model cards and the Hub: `stem-hf card`, `stem-hf push`, `stem-hf refresh-code`."""
     card = commands.add_parser("card", help="write or refresh the model card (README.md) of a STEM checkpoint folder")
     card.add_argument("checkpoint")
     card.add_argument("--repo-id", help="the Hub id to show in the usage snippet")
@@ -71,6 +71,14 @@ def _add_hub_parsers(commands) -> None:
     push.add_argument("--private", action="store_true")
     push.add_argument("--revision", help="branch to push to (created if missing)")
     push.add_argument("--commit-message")
+
+    refresh = commands.add_parser(
+        "refresh-code", help="replace the model code a STEM checkpoint carries (folder or Hub repo) with this stem-hf's"
+    )
+    refresh.add_argument("target", help="a STEM checkpoint folder or Hub repo id (its code never runs)")
+    refresh.add_argument("--check", action="store_true", help="only list the files that differ; exit status 1 if any")
+    refresh.add_argument("--revision", help="Hub branch to read and commit to (default: main)")
+    refresh.add_argument("--create-pr", action="store_true", help="open a Hub pull request instead of committing")
 
 
 def _add_pretrain_parser(commands) -> None:
@@ -185,6 +193,25 @@ def main(argv: list[str] | None = None) -> None:
         check_local(args.checkpoint, hub=False)  # named as typed, before anything reads it
         kwargs = {"private": args.private or None, "revision": args.revision, "commit_message": args.commit_message}
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
+    elif args.command == "refresh-code":
+        run_refresh(args)
+
+
+def run_refresh(args: argparse.Namespace) -> None:
+    """`stem-hf refresh-code`: prints which files differ or were replaced; with `--check`, exits 1 if any differ."""
+    from .refresh import refresh_code
+
+    result = refresh_code(args.target, check_only=args.check, revision=args.revision, create_pr=args.create_pr)
+    if not result.changed:
+        print(f"{result.target}: the code is this stem-hf's already; nothing to change")
+    elif result.check_only:
+        print(f"{result.target}: differs from this stem-hf's code in {', '.join(result.changed)}")
+        print(f"run `stem-hf refresh-code {result.target}` to replace them")
+        raise SystemExit(1)
+    else:
+        print(f"{result.target}: replaced {', '.join(result.changed)}")
+        if result.commit_url:
+            print(result.commit_url)
 
 
 def _load_tokenizer(checkpoint: str):

@@ -17,9 +17,10 @@ import torch
 def load_without_package(
     checkpoint: str | os.PathLike, input_ids: torch.Tensor, max_new_tokens: int = 4, hub_env: dict | None = None
 ) -> dict:
-    """Returns `{"logits", "generated", "uncached", "hidden", "module"}` computed by the checkpoint's copied code in a
-    subprocess: `generated` by `generate` with its default cache, `uncached` by greedy steps of full forwards (the
-    reference a cache must not change).
+    """Returns `{"logits", "generated", "uncached", "hidden", "train_loss_before", "train_loss_after", "module"}`
+    computed by the checkpoint's copied code in a subprocess: `generated` by `generate` with its default cache,
+    `uncached` by greedy steps of full forwards (the reference a cache must not change), and the loss on the inputs
+    before and after one AdamW step (lr 1e-3) of the model in training mode.
 
     `HF_MODULES_CACHE` points at a temporary folder, so the code comes from the checkpoint, not from an earlier load.
     With `hub_env` (say, `HF_ENDPOINT` of a test Hub), `checkpoint` may be a Hub id: it is downloaded into an empty
@@ -75,7 +76,20 @@ def _main(checkpoint: str, inputs: str, out: str) -> None:
             uncached = torch.cat([uncached, step], dim=1)
         hidden = AutoModel.from_pretrained(checkpoint, trust_remote_code=True)(args["input_ids"]).last_hidden_state
     outputs = {"logits": logits, "generated": generated, "uncached": uncached, "hidden": hidden}
-    torch.save({**outputs, "module": type(model).__module__}, out)
+    torch.save({**outputs, **_train_step(model, args["input_ids"]), "module": type(model).__module__}, out)
+
+
+def _train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> dict:
+    """One AdamW step of the copied code with `input_ids` as labels: the loss before and after it, on the same batch."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = model(input_ids, labels=input_ids).loss
+    model.eval()
+    return {"train_loss_before": loss.item(), "train_loss_after": after.item()}
 
 
 if __name__ == "__main__":

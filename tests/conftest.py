@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -34,6 +36,27 @@ def sensitive_model(std: float = 1.0, **overrides) -> StemForCausalLM:
         for table in model.model.stem_tables.values():
             table.weight.normal_(0, std)
     return model
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose private (copy-on-write) mappings in this process hold the tensor's first and last bytes; None
+    where its bytes are not a private map of one file (a copy in anonymous memory, or a tensor off the CPU)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    first = tensor.data_ptr()
+    last = first + tensor.numel() * tensor.element_size() - 1
+    files = {first: set(), last: set()}
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[1].endswith("p") or not fields[5].startswith("/"):
+                continue  # shared, anonymous, or a pseudo-file such as [heap]
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            for address, found in files.items():
+                if start <= address < end:
+                    found.add(os.path.realpath(fields[5].rstrip("\n")))
+    both = files[first] & files[last]
+    return both.pop() if len(both) == 1 else None
 
 
 BYTE_VOCAB = 259  # <pad>, <s>, </s> and the 256 bytes

@@ -18,6 +18,7 @@ class FakeHub:
     def __init__(self):
         self.repos: dict[str, dict[str, bytes]] = {}
         self.commits: dict[str, list[str]] = {}
+        self.messages: dict[str, list[str]] = {}  # each commit's summary, in order
         self.requests: list[str] = []
 
     def commit_hash(self, repo: str) -> str:
@@ -72,7 +73,9 @@ def _handler(hub: FakeHub, endpoint: str):
                     for line in body.decode().splitlines():
                         item = json.loads(line)
                         value = item["value"]
-                        if item["key"] == "file":
+                        if item["key"] == "header":
+                            hub.messages.setdefault(repo, []).append(value["summary"])
+                        elif item["key"] == "file":
                             hub.repos[repo][value["path"]] = base64.b64decode(value["content"])
                         elif item["key"] == "deletedFile":
                             hub.repos[repo].pop(value["path"], None)

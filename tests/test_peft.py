@@ -68,3 +68,29 @@ def test_bad_lora_requests_are_clear_errors():
         lora_config(_base(), token_ids=[1, 500])
     with pytest.raises(ValueError, match="no STEM layers"):
         lora_config(tiny_model(stem_layers=[]), token_ids=[1])
+
+
+def test_an_adapter_loads_through_peft_and_through_transformers_load_adapter(tmp_path):
+    from packaging.version import Version
+    from peft import __version__ as peft_version
+    from transformers.integrations.peft import MIN_PEFT_VERSION
+
+    config = lora_config(_base(), r=4, token_ids=ROWS)
+    config.init_lora_weights = False  # a non-zero adapter, so that loading it changes the logits
+    get_peft_model(_base(), config).save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, ROWS[0], 7, ROWS[1], 11]])
+    with torch.no_grad():
+        plain = _base()(input_ids=ids).logits
+        expected = PeftModel.from_pretrained(_base(), tmp_path / "adapter").eval()(input_ids=ids).logits
+    assert not torch.allclose(expected, plain)
+    base = _base()
+    base.load_adapter(str(tmp_path / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(base.eval()(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+    if Version(peft_version) < Version(MIN_PEFT_VERSION):  # transformers 5.24 asks for peft 0.22 (docs/training.md)
+        with pytest.raises(ValueError, match=f"version >= {MIN_PEFT_VERSION}"):
+            base.disable_adapters()
+        return
+    base.disable_adapters()
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=ids).logits, plain, rtol=0, atol=0)

@@ -1,12 +1,18 @@
-"""Tables stay in host memory when the dense part goes to an accelerator. No GPU here: the device-map logic is checked
-with transformers' own expansion of the map, and the load and forward paths run with device maps on CPU."""
+"""Tables stay in host memory when the dense part goes to an accelerator or is offloaded. Without a GPU the device-map
+logic is checked with transformers' own expansion of the map, and the load and forward paths run with device maps on
+CPU; where CUDA is available, the device-map loads also run on it."""
 
+import json
+import os
+
+import pytest
 import torch
 from transformers.integrations.accelerate import expand_device_map
 
 from stem_hf import StemForCausalLM, storage_stem
+from stem_hf.compat_stem import CACHE_ARG
 from stem_hf.storage_stem import StemTableRows, device_map_keeping_tables_on_cpu
-from tests.conftest import tiny_model
+from tests.conftest import mapped_file, sensitive_model, tiny_model
 
 TABLE, DENSE = "model.stem_tables.1.weight", "model.layers.1.mlp.gate_proj.weight"
 
@@ -89,7 +95,71 @@ def test_device_map_load_keeps_tables_mapped_and_logits_equal(tmp_path):
         reloaded = StemForCausalLM.from_pretrained(tmp_path, device_map=device_map)
         table = reloaded.model.stem_tables["1"].weight
         assert table.device.type == "cpu" and table.dtype == torch.bfloat16
+        device = reloaded.get_input_embeddings().weight.device  # "auto" on a CUDA machine: cuda:0
         with torch.no_grad():
-            assert torch.equal(reloaded(input_ids).logits, expected)
-        out = reloaded.generate(input_ids, max_new_tokens=3, do_sample=False)
+            logits = reloaded(input_ids.to(device)).logits.cpu()
+        if device.type == "cpu":
+            assert torch.equal(logits, expected)
+        else:  # the GPU's kernels sum in other orders than the CPU's
+            torch.testing.assert_close(logits, expected, rtol=0, atol=1e-3 * expected.abs().max().item())
+        out = reloaded.generate(input_ids.to(device), max_new_tokens=3, do_sample=False)
         assert out.shape == (2, 10)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_auto_map_with_disk_offload_keeps_tables_mapped_and_outputs_equal(tmp_path, device):
+    """device_map="auto" with a max_memory the dense part does not fit: accelerate offloads dense layers (to disk; on
+    CUDA also to the CPU), and the tables stay copy-on-write maps of their files, never accelerate offload weights,
+    which accelerate would load whole onto the execution device at every forward."""
+    folder, offload = tmp_path / "ckpt", tmp_path / "offload"
+    sensitive_model(vocab_size=4096, intermediate_size=256).save_pretrained(folder)
+    plain = StemForCausalLM.from_pretrained(folder, device_map=None if device == "cpu" else {"": 0})
+    dense = sum(p.numel() * p.element_size() for n, p in plain.named_parameters() if "stem_tables" not in n)
+    # accelerate keeps room for the largest module (the embedding) on the main device: on CPU the embedding and layers
+    # 0-1 stay, the rest goes to disk; on CUDA they go to the GPU, layer 2 to the CPU and the rest to disk.
+    budget = {"cpu": int(0.9 * dense)} if device == "cpu" else {0: int(0.9 * dense), "cpu": int(0.48 * dense)}
+    model = StemForCausalLM.from_pretrained(folder, device_map="auto", max_memory=budget, offload_folder=offload)
+
+    tables = [f"model.stem_tables.{i}.weight" for i in model.config.stem_layers]
+    device_map = model.hf_device_map
+    placement = expand_device_map(device_map, [name for name, _ in model.named_parameters()])
+    assert "disk" in device_map.values(), f"nothing offloaded to disk, the test proves nothing: {device_map}"
+    # A STEM layer's dense weights are offloaded (on CUDA, "cpu" is offloading too): its table serves a hooked layer.
+    offloading_devices = {"disk"} if device == "cpu" else {"cpu", "disk"}
+    stem_dense = [placement[f"model.layers.{i}.mlp.gate_proj.weight"] for i in model.config.stem_layers]
+    assert offloading_devices & set(stem_dense), device_map
+    if device == "cuda":
+        assert {0, "cpu", "disk"} <= set(device_map.values()), device_map
+    assert not any(k in ("", "model") or "stem_tables" in k for k in device_map), device_map
+    assert all(placement[name] == "cpu" for name in tables)  # outside the map: loaded on CPU, with no hook
+
+    hooks = {name: module._hf_hook for name, module in model.named_modules() if hasattr(module, "_hf_hook")}
+    offloading = [hook for hook in hooks.values() if getattr(hook, "offload", False)]
+    assert offloading and not any("stem_tables" in name for name in hooks)
+    offloaded = {key for hook in offloading for key in hook.weights_map.dataset.all_keys}
+    assert "lm_head.weight" in offloaded and not any("stem_tables" in key for key in offloaded), sorted(offloaded)
+    # transformers serves disk-offloaded weights from the checkpoint's own files; anything it wrote is dense.
+    for index in offload.rglob("index.json"):
+        assert not any("stem_tables" in key for key in json.loads(index.read_text())), index
+    assert not any("stem_tables" in path.name for path in offload.rglob("*"))
+
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    for name in tables:
+        table = model.get_parameter(name)
+        assert table.device.type == "cpu" and table.dtype == torch.bfloat16
+        assert mapped_file(table) == os.path.realpath(folder / weight_map[name]), f"{name} is not a map of its file"
+        assert torch.equal(table, plain.get_parameter(name))
+
+    # Same checkpoint, same device, same dtype: offloaded weights reach the same kernels bit for bit, so no tolerance.
+    ids = torch.randint(3, 4096, (2, 9)).to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, use_cache=True)
+    kwargs.update(return_dict_in_generate=True, output_logits=True)
+    got, expected = model.generate(ids, **kwargs), plain.generate(ids, **kwargs)
+    assert getattr(got, CACHE_ARG) is not None and got.sequences.shape == (2, 17)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=0)

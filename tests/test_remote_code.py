@@ -54,6 +54,7 @@ def test_loads_with_trust_remote_code_without_the_package(tmp_path):
     out = load_without_package(tmp_path, input_ids, max_new_tokens=4)
     assert out["module"].startswith("transformers_modules"), out["module"]
     assert torch.equal(out["generated"], out["uncached"])  # the cache changes nothing: greedy on full forwards
+    assert out["train_loss_after"] < out["train_loss_before"]  # the copied code trains
     with torch.no_grad():
         assert torch.equal(out["logits"], model(input_ids).logits)
         assert torch.equal(out["hidden"], model.model(input_ids).last_hidden_state)  # through AutoModel
