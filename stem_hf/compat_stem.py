@@ -52,28 +52,44 @@ def takes_cache(forward: Callable) -> Callable:
 
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
-        if "past_key_values" in kwargs:
-            if "cache" in kwargs:
-                raise TypeError(
-                    f"{forward.__qualname__}: got both `cache` and `past_key_values`, two names of the one KV cache "
-                    "argument; give one"
-                )
-            kwargs["cache"] = kwargs.pop("past_key_values")
-        return forward(*args, **kwargs)
+        return forward(*args, **rename_cache(kwargs, "cache", forward.__qualname__))
 
     wrapper.__signature__ = signature.replace(parameters=parameters)
     return wrapper
 
 
+def rename_cache(kwargs: dict, name: str, owner: str) -> dict:
+    """`kwargs` with the KV cache under `name`, whichever of `CACHE_ARGS` it came under. Giving both is an error (a
+    name given as None does not count: wrappers pass one name as None)."""
+    given = {arg: kwargs.pop(arg) for arg in CACHE_ARGS if arg in kwargs}
+    values = [value for value in given.values() if value is not None]
+    if len(values) > 1:
+        raise TypeError(
+            f"{owner}: got both `cache` and `past_key_values`, two names of the one KV cache argument; give one"
+        )
+    if given:
+        kwargs[name] = values[0] if values else None
+    return kwargs
+
+
+# The extra keywords a model forward passes on: the installed transformers' `TransformersKwargs`, its debugging
+# switches (read by `merge_with_config_defaults`, allowed by `generate`), and `token_type_ids`, which some tokenizers
+# return and which a decoder without token types ignores, as Llama does.
+MODEL_KWARGS = frozenset(TransformersKwargs.__annotations__) | {"debug_io", "debug_io_dir", "prune_layers"}
+IGNORED_KWARGS = frozenset({"token_type_ids"})
+
+
 def check_model_kwargs(owner: str, kwargs: dict) -> None:
-    """Raises on a keyword a model forward would otherwise swallow into `**kwargs`: the installed transformers'
-    `TransformersKwargs` are the only extra keywords it passes on (a cache under an unknown name would be ignored)."""
-    unknown = sorted(set(kwargs) - set(TransformersKwargs.__annotations__))
+    """Raises on a keyword a model forward would otherwise swallow into `**kwargs` (a cache under an unknown name would
+    be ignored, silently); drops the `IGNORED_KWARGS`."""
+    for name in IGNORED_KWARGS & kwargs.keys():
+        del kwargs[name]
+    unknown = sorted(kwargs.keys() - MODEL_KWARGS)
     if unknown:
         raise TypeError(
             f"{owner}.forward got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: it takes "
             f"{' or '.join(map(repr, CACHE_ARGS))} for the KV cache, `stem_input_ids`, the usual model inputs, and "
-            f"transformers' {', '.join(sorted(TransformersKwargs.__annotations__))}"
+            f"transformers' {', '.join(sorted(MODEL_KWARGS))}"
         )
 
 
@@ -107,9 +123,12 @@ def check_transformers_version(version: str | None = None) -> None:
 __all__ = [
     "CACHE_ARG",
     "CACHE_ARGS",
+    "IGNORED_KWARGS",
+    "MODEL_KWARGS",
     "SUPPORTED_TRANSFORMERS",
     "check_model_kwargs",
     "check_transformers_version",
+    "rename_cache",
     "supports_transformers",
     "takes_cache",
 ]

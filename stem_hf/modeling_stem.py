@@ -27,7 +27,14 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .compat_stem import CACHE_ARG, check_model_kwargs, check_transformers_version, takes_cache
+from .compat_stem import (
+    CACHE_ARG,
+    CACHE_ARGS,
+    check_model_kwargs,
+    check_transformers_version,
+    rename_cache,
+    takes_cache,
+)
 from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
 from .storage_stem import (
     StemSoftPromptRows,
@@ -312,7 +319,7 @@ class StemPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["StemDecoderLayer"]
-    _skip_keys_device_placement = [CACHE_ARG]
+    _skip_keys_device_placement = list(CACHE_ARGS)
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -509,7 +516,9 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """`GenerationMixin.generate`, after checking that `stem_input_ids` gives one id per prompt position (the
         prompt being `inputs_embeds` when given, else `inputs`/`input_ids`): a shorter or longer one would shift every
-        later lookup. With `inputs_embeds` on a model with STEM layers, `stem_input_ids` is required."""
+        later lookup. With `inputs_embeds` on a model with STEM layers, `stem_input_ids` is required. A cache of the
+        caller's goes by either name (`cache` or `past_key_values`) under every supported transformers."""
+        kwargs = rename_cache(kwargs, CACHE_ARG, "generate")
         stem_input_ids = kwargs.get("stem_input_ids")
         embeds = kwargs.get("inputs_embeds")
         ids = inputs if inputs is not None else kwargs.get("input_ids")

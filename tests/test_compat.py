@@ -3,7 +3,6 @@ cache under the name the installed transformers passes, generation against fixed
 transformers 5.23, uncached greedy), unknown arguments refused, and the supported range checked."""
 
 import inspect
-import json
 import logging
 import os
 import subprocess
@@ -58,7 +57,7 @@ def test_the_cache_goes_by_the_name_the_installed_transformers_uses():
         assert CACHE_ARG in inspect.signature(forward).parameters  # what generate and the checkpointing layer see
     assert CACHE_ARG in inspect.signature(model.prepare_inputs_for_generation).parameters
     assert model.config.keys_to_ignore_at_inference == [CACHE_ARG]
-    assert CACHE_ARG in model._skip_keys_device_placement
+    assert {"cache", "past_key_values"} <= set(model._skip_keys_device_placement)
 
 
 def test_a_checkpoint_saved_under_5_23_gives_its_logits_and_greedy_tokens(saved):
@@ -89,6 +88,16 @@ def test_the_returned_cache_holds_every_position_and_continues_the_text(saved):
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_generate_takes_a_callers_cache_under_either_name(saved, name):
+    cache = DynamicCache(config=saved.config)
+    assert torch.equal(_generate(saved, **{name: cache}), GREEDY)
+    assert cache.get_seq_length() == GREEDY.shape[1] - 1
+    both = {"cache": DynamicCache(config=saved.config), "past_key_values": DynamicCache(config=saved.config)}
+    with pytest.raises(TypeError, match="both `cache` and `past_key_values`"):
+        _generate(saved, **both)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
 def test_a_step_by_step_decode_takes_either_cache_name(saved, name):
     cache = DynamicCache(config=saved.config)
     ids = PROMPTS
@@ -110,6 +119,9 @@ def test_both_cache_names_or_an_unknown_argument_are_errors(saved):
         saved(PROMPTS, past_key_value=cache)  # a typo would otherwise run without a cache, silently
     with pytest.raises(TypeError, match="unexpected keyword argument.*'kv_cache'"):
         saved.model(PROMPTS, kv_cache=cache)
+    with torch.no_grad():  # a name given as None is no second cache; token types mean nothing to a decoder, as in Llama
+        out = saved(PROMPTS, cache=None, past_key_values=None, token_type_ids=torch.zeros_like(PROMPTS))
+    assert torch.equal(out.logits, REFERENCE["logits"])
 
 
 class _Records(logging.Handler):
@@ -122,6 +134,7 @@ class _Records(logging.Handler):
 
 
 def test_no_deprecation_of_the_cache_name_on_forward_generate_and_checkpointed_training(saved):
+    transformers.utils.logging.warning_once.cache_clear()  # else a message logged earlier is not logged again
     handler = _Records()
     transformers.logging.get_logger().addHandler(handler)
     try:
@@ -141,20 +154,24 @@ def test_no_deprecation_of_the_cache_name_on_forward_generate_and_checkpointed_t
     assert not [w for w in caught if issubclass(w.category, FutureWarning) and "stem_hf" in w.filename]
 
 
-def test_gradient_checkpointing_gives_the_loss_and_gradients_of_a_plain_step():
-    def step(checkpointing: bool) -> tuple[torch.Tensor, dict]:
+def test_gradient_checkpointing_drops_a_given_cache_and_gives_the_loss_and_gradients_of_a_plain_step():
+    def step(checkpointing: bool) -> tuple[torch.Tensor, dict, int]:
         torch.manual_seed(0)
         model = tiny_model(table_dtype="float32")
         if checkpointing:
             model.gradient_checkpointing_enable()
         model.train()
         ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
-        loss = model(ids, labels=ids, use_cache=True).loss  # checkpointing must drop the cache, not fill it twice
+        cache = DynamicCache(config=model.config)
+        # The checkpointed layers must drop the cache (by the name transformers gives it), not fill it twice.
+        loss = model(ids, labels=ids, use_cache=True, **{CACHE_ARG: cache}).loss
         loss.backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, cache.get_seq_length()
 
-    plain_loss, plain_grads = step(False)
-    loss, grads = step(True)
+    plain_loss, plain_grads, plain_length = step(False)
+    loss, grads, length = step(True)
+    assert (plain_length, length) == (12, 0)
     assert torch.equal(loss, plain_loss)
     assert plain_grads.keys() == grads.keys()
     for name, grad in grads.items():
@@ -215,8 +232,3 @@ def test_the_copied_code_warns_under_a_transformers_outside_its_range(tmp_path, 
     module, messages = run.stdout.strip().splitlines()[-2:]
     assert module.startswith("transformers_modules")
     assert "transformers 5.99.0 is installed" in messages and "stem-hf refresh-code" in messages
-
-
-def test_a_saved_config_records_the_range_of_its_code(tmp_path, saved):
-    saved.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["supported_transformers"] == SUPPORTED_TRANSFORMERS
