@@ -4,10 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stem-hf-installed
 
-.PHONY: test test-oldest check-newest demo lint clean
+.PHONY: test test-oldest test-5.23 check-newest demo lint clean
 
-# torch first, pinned, so that no resolver pulls a CUDA build: 2.13.0 is the newest CPU wheel the index here serves
-# (torch 2.14.1 and 2.15 on it are CUDA builds only, several GB). Then the project editable with every extra.
+# torch first, pinned, so that no resolver pulls a CUDA build: 2.13.0 is the newest CPU wheel the package index here
+# serves (its newer torch releases are CUDA builds only, gigabytes each). Then the project editable with every extra.
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
@@ -39,6 +39,13 @@ test-oldest: $(STAMP)
 	$(call shadow_venv,$(OLDEST),transformers==$(OLDEST_TRANSFORMERS))
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(MODEL_TESTS)
 
+# The last release that passes the KV cache as `past_key_values` (5.24 renamed it `cache`), whose gradient-checkpointing
+# layer also differs from 5.18's (CI runs it too).
+LAST_OLD_NAME := 5.23.0
+test-5.23: $(STAMP)
+	$(call shadow_venv,.venv-5.23,transformers==$(LAST_OLD_NAME))
+	.venv-5.23/bin/python -m pytest -q -p no:cacheprovider $(MODEL_TESTS)
+
 # The newest transformers on the package index, inside setup.cfg's range or not: run it when a release comes out, to
 # find the next rename in minutes. Outside the range the model warns, and the tests that check it does not warn fail.
 NEWEST := .venv-newest
@@ -54,4 +61,4 @@ demo: $(STAMP)
 	$(VENV)/bin/stem-hf demo
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(NEWEST) build *.egg-info
+	rm -rf $(VENV) $(OLDEST) .venv-5.23 $(NEWEST) build *.egg-info

@@ -79,6 +79,9 @@ def _add_hub_parsers(commands) -> None:
     refresh.add_argument("--check", action="store_true", help="only list the files that differ; exit status 1 if any")
     refresh.add_argument("--revision", help="Hub branch to read and commit to (default: main)")
     refresh.add_argument("--create-pr", action="store_true", help="open a Hub pull request instead of committing")
+    refresh.add_argument(
+        "--force", action="store_true", help="replace code that a newer stem-hf saved (for a newer transformers range)"
+    )
 
 
 def _add_pretrain_parser(commands) -> None:
@@ -201,7 +204,8 @@ def run_refresh(args: argparse.Namespace) -> None:
     """`stem-hf refresh-code`: prints which files differ or were replaced; with `--check`, exits 1 if any differ."""
     from .refresh import refresh_code
 
-    result = refresh_code(args.target, check_only=args.check, revision=args.revision, create_pr=args.create_pr)
+    options = {"revision": args.revision, "create_pr": args.create_pr, "force": args.force}
+    result = refresh_code(args.target, check_only=args.check, **options)
     if not result.changed:
         print(f"{result.target}: the code is this stem-hf's already; nothing to change")
     elif result.check_only:

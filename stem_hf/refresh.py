@@ -11,6 +11,7 @@ read as plain JSON.
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -61,22 +62,42 @@ def refresh_code(
     revision: str | None = None,
     create_pr: bool = False,
     token: str | None = None,
+    force: bool = False,
 ) -> RefreshResult:
     """Replaces the code files of the STEM checkpoint `target` (a folder, or else a Hub repo id) with this package's
     and sets `supported_transformers` in its config.json; everything else in the config and the folder is kept. Files
     already equal are not written. Refuses, before writing anything, a target that is not a STEM checkpoint saved by
     stem-hf (config.json with model_type "stem" and an `auto_map` naming its code). A folder's files are replaced each
-    by an atomic rename; a Hub repo gets one commit (on `revision`, or a pull request with `create_pr`).
-    `check_only`: only say which files differ."""
+    by an atomic rename; a Hub repo gets one commit (on `revision`, or a pull request with `create_pr`), made on the
+    commit its files were read at, so that it fails rather than undo a commit pushed meanwhile. `check_only`: only say
+    which files differ. Code recorded for a newer transformers range than this package's (a newer stem-hf saved it) is
+    refused unless `force`: replacing it would be a downgrade. Hand edits to the code files are replaced."""
     target = os.fspath(target)
     if check_local(target):
         if revision is not None or create_pr:
             raise ValueError(f"{target} is a local path: a revision and a pull request are for a Hub repo")
-        return _refresh_folder(Path(target), check_only)
-    return _refresh_repo(target, check_only, revision, create_pr, token)
+        return _refresh_folder(Path(target), check_only, force)
+    return _refresh_repo(target, check_only, revision, create_pr, token, force)
 
 
 # Checks --------------------------------------------------------------------------------------------------------
+
+
+def _upper_bound(supported: object) -> tuple[int, int] | None:
+    """The upper bound of a recorded `>=A.B,<C.D` range, as (C, D); None for anything else."""
+    match = re.fullmatch(r">=\d+\.\d+,<(\d+)\.(\d+)", supported) if isinstance(supported, str) else None
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _check_not_newer(config: dict, where: str) -> None:
+    recorded = config.get(RANGE_KEY)
+    ours = _upper_bound(SUPPORTED_TRANSFORMERS)
+    if (_upper_bound(recorded) or (0, 0)) > ours:
+        raise ValueError(
+            f"{where}: its code was saved for transformers{recorded}, newer than this stem-hf's "
+            f"(transformers{SUPPORTED_TRANSFORMERS}): refreshing would replace it with older code. Upgrade stem-hf, or "
+            "pass force=True (`--force`) to replace it anyway"
+        )
 
 
 def _check_config(config: object, where: str) -> dict:
@@ -111,9 +132,11 @@ def _read(path: Path) -> bytes | None:
     return path.read_bytes() if path.exists() else None
 
 
-def _refresh_folder(folder: Path, check_only: bool) -> RefreshResult:
+def _refresh_folder(folder: Path, check_only: bool, force: bool) -> RefreshResult:
     check_stem(str(folder), hub=False)  # a folder with a readable config.json, model_type "stem"
     config = _check_config(json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")), str(folder))
+    if not force:
+        _check_not_newer(config, str(folder))
     files = _new_files(config)
     before = {name: _read(folder / name) for name in files}
     changes = {name: data for name, data in files.items() if before[name] != data}
@@ -206,15 +229,24 @@ def _hub_config(api: HfApi, repo_id: str, revision: str | None) -> dict:
 
 
 def _refresh_repo(
-    repo_id: str, check_only: bool, revision: str | None, create_pr: bool, token: str | None
+    repo_id: str, check_only: bool, revision: str | None, create_pr: bool, token: str | None, force: bool
 ) -> RefreshResult:
     api = HfApi(token=token)
-    files = _new_files(_hub_config(api, repo_id, revision))
-    present = set(api.list_repo_files(repo_id, revision=revision))
+    try:
+        head = api.repo_info(repo_id, revision=revision)  # one commit: every file is read at it, the commit made on it
+    except (OSError, ValueError) as error:  # no repo, no revision, offline, gated
+        raise FileNotFoundError(
+            f"{repo_id}: no such folder, nor a Hub repo that could be read ({type(error).__name__}: {error})"
+        ) from error
+    config = _hub_config(api, repo_id, head.sha)
+    if not force:
+        _check_not_newer(config, repo_id)
+    files = _new_files(config)
+    present = {sibling.rfilename for sibling in head.siblings or []}
     changed = tuple(
         name
         for name, data in files.items()
-        if name not in present or Path(api.hf_hub_download(repo_id, name, revision=revision)).read_bytes() != data
+        if name not in present or Path(api.hf_hub_download(repo_id, name, revision=head.sha)).read_bytes() != data
     )
     if check_only or not changed:
         return RefreshResult(repo_id, changed, check_only)
@@ -226,6 +258,7 @@ def _refresh_repo(
         commit_description="Replaced: " + ", ".join(changed),
         revision=revision,
         create_pr=create_pr,
+        parent_commit=head.sha,
     )
     return RefreshResult(repo_id, changed, check_only, commit.pr_url or commit.commit_url)
 

@@ -70,8 +70,12 @@ def _handler(hub: FakeHub, endpoint: str):
                     modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
                     return self._json(200, {"files": modes, "commitOid": hub.commit_hash(repo)})
                 if action == "commit":
-                    for line in body.decode().splitlines():
-                        item = json.loads(line)
+                    items = [json.loads(line) for line in body.decode().splitlines()]
+                    header = next(item["value"] for item in items if item["key"] == "header")
+                    parent = header.get("parentCommit")
+                    if parent and parent != hub.commit_hash(repo):  # as the Hub: a commit on a stale parent fails
+                        return self._send(412, b'{"error": "parent commit is not the head"}')
+                    for item in items:
                         value = item["value"]
                         if item["key"] == "header":
                             hub.messages.setdefault(repo, []).append(value["summary"])

@@ -211,6 +211,48 @@ def test_a_hub_repo_is_refreshed_in_one_commit_and_then_loads_with_the_saved_tok
     assert torch.equal(remote["generated"], GREEDY)
 
 
+def test_a_hub_commit_pushed_meanwhile_makes_the_refresh_fail_instead_of_being_undone(tmp_path):
+    with fake_hub(lifetime=300) as (endpoint, hub):
+        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        race = f"""
+            from huggingface_hub import CommitOperationAdd, HfApi
+            from huggingface_hub.errors import HfHubHTTPError
+            from stem_hf.refresh import refresh_code
+            api = HfApi()
+            api.create_repo("user/stem-523")
+            api.upload_folder(repo_id="user/stem-523", folder_path={str(DATA / "checkpoint")!r})
+            commit = HfApi.create_commit
+
+            def someone_else_commits_first(self, *args, **kwargs):  # between the refresh's reads and its commit
+                edit = [CommitOperationAdd("config.json", b'{{"edited": true}}')]
+                commit(self, "user/stem-523", edit, commit_message="edit")
+                return commit(self, *args, **kwargs)
+
+            HfApi.create_commit = someone_else_commits_first
+            try:
+                refresh_code("user/stem-523")
+            except HfHubHTTPError as error:
+                print("refused", error.response.status_code)
+        """
+        out = _run(race, env, tmp_path)
+        assert "refused 412" in out, out
+        assert hub.repos["user/stem-523"]["config.json"] == b'{"edited": true}'  # the other commit stands
+        assert "compat_stem.py" not in hub.repos["user/stem-523"]
+
+
+def test_code_saved_for_a_newer_transformers_range_is_refused_unless_forced(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "supported_transformers": ">=5.18,<5.40"}))
+    before = _snapshot(folder)
+    with pytest.raises(ValueError, match=r"saved for transformers>=5\.18,<5\.40, newer than this stem-hf's"):
+        refresh_code(folder)
+    with pytest.raises(ValueError, match="--force"):
+        main(["refresh-code", str(folder)])
+    assert _snapshot(folder) == before
+    main(["refresh-code", str(folder), "--force"])
+    assert json.loads((folder / "config.json").read_text())["supported_transformers"] == SUPPORTED_TRANSFORMERS
+
+
 REFRESH_REPO = """
     from stem_hf.cli import main
 
