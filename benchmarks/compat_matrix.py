@@ -1,15 +1,15 @@
 """Which transformers releases run a STEM checkpoint correctly, through the package and through its copied code.
 
-For each interpreter given (venvs that differ in their transformers; by default .venv-oldest, .venv and .venv-newest
-where they exist, as `make test-oldest` and `make check-newest` build them), loads tests/data/saved-5.23 (saved by
-stem-hf 774b1ef under transformers 5.23) four ways and checks three things against the logits and greedy tokens saved
-there: load (logits equal), generate (greedy with the default cache equals the saved tokens), train step (one AdamW
-step lowers the loss on its batch). The ways: the package's classes; the copied code as saved (written for
-`past_key_values`); that code after `stem-hf refresh-code`; the checkpoint saved again by the package. Copied code runs
-in a subprocess that cannot import stem_hf.
+For each interpreter given (venvs that differ in their transformers; by default .venv-oldest, .venv-5.23, .venv and
+.venv-newest where they exist, as `make test-oldest`, `make test-5.23` and `make check-newest` build them), loads
+tests/data/saved-5.23 (saved by stem-hf 774b1ef under transformers 5.23) four ways and checks three things against the
+logits and greedy tokens saved there: load (logits equal), generate (greedy with the default cache equals the saved
+tokens), train step (one AdamW step lowers the loss on its batch). The ways: the package's classes; the copied code as
+saved (written for `past_key_values`); that code after `stem-hf refresh-code`; the checkpoint saved again by the
+package. Copied code runs in a subprocess that cannot import stem_hf.
 
     python benchmarks/compat_matrix.py                      # -> benchmarks/results/compat_matrix.json
-    python benchmarks/compat_matrix.py --python .venv-523/bin/python --python .venv/bin/python
+    python benchmarks/compat_matrix.py --python .venv-5.23/bin/python --python .venv/bin/python
 """
 
 import argparse
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "saved-5.23"
 RESULTS = ROOT / "benchmarks" / "results" / "compat_matrix.json"
-DEFAULT_PYTHONS = (".venv-oldest/bin/python", ".venv/bin/python", ".venv-newest/bin/python")
+DEFAULT_PYTHONS = (".venv-oldest/bin/python", ".venv-5.23/bin/python", ".venv/bin/python", ".venv-newest/bin/python")
 
 
 def _checks(logits, generated, loss_before: float, loss_after: float, reference: dict) -> dict:
