@@ -98,11 +98,18 @@ def _minor(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def parse_range(supported: object) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The bounds of a range of the form `>=A.B,<C.D` as ((A, B), (C, D)); None for anything else (a config written by
+    hand, or before ranges were recorded)."""
+    match = re.fullmatch(r">=(\d+\.\d+),<(\d+\.\d+)", supported) if isinstance(supported, str) else None
+    return (_minor(match.group(1)), _minor(match.group(2))) if match else None
+
+
 def supports_transformers(version: str, supported: str = SUPPORTED_TRANSFORMERS) -> bool:
     """Whether a transformers `version` lies in `supported`, a range of the form `>=A.B,<C.D` (by minor release: the
     pre-releases of a minor count as it)."""
-    low, high = re.fullmatch(r">=(\d+\.\d+),<(\d+\.\d+)", supported).groups()
-    return _minor(low) <= _minor(version) < _minor(high)
+    low, high = parse_range(supported)
+    return low <= _minor(version) < high
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -128,6 +135,7 @@ __all__ = [
     "SUPPORTED_TRANSFORMERS",
     "check_model_kwargs",
     "check_transformers_version",
+    "parse_range",
     "rename_cache",
     "supports_transformers",
     "takes_cache",

@@ -11,7 +11,6 @@ read as plain JSON.
 import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 
 from . import StemConfig, StemForCausalLM, StemModel, __version__
 from .accounting import check_local, check_stem
-from .compat_stem import SUPPORTED_TRANSFORMERS
+from .compat_stem import SUPPORTED_TRANSFORMERS, parse_range
 from .storage_stem import CONFIG_NAME
 
 RANGE_KEY = "supported_transformers"
@@ -83,16 +82,12 @@ def refresh_code(
 # Checks --------------------------------------------------------------------------------------------------------
 
 
-def _upper_bound(supported: object) -> tuple[int, int] | None:
-    """The upper bound of a recorded `>=A.B,<C.D` range, as (C, D); None for anything else."""
-    match = re.fullmatch(r">=\d+\.\d+,<(\d+)\.(\d+)", supported) if isinstance(supported, str) else None
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
 def _check_not_newer(config: dict, where: str) -> None:
+    """Raises if the checkpoint's recorded range reaches past this code's (a range not of the usual form counts as
+    older)."""
     recorded = config.get(RANGE_KEY)
-    ours = _upper_bound(SUPPORTED_TRANSFORMERS)
-    if (_upper_bound(recorded) or (0, 0)) > ours:
+    recorded_upper = (parse_range(recorded) or ((0, 0), (0, 0)))[1]
+    if recorded_upper > parse_range(SUPPORTED_TRANSFORMERS)[1]:
         raise ValueError(
             f"{where}: its code was saved for transformers{recorded}, newer than this stem-hf's "
             f"(transformers{SUPPORTED_TRANSFORMERS}): refreshing would replace it with older code. Upgrade stem-hf, or "

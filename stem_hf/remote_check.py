@@ -70,16 +70,23 @@ def _main(checkpoint: str, inputs: str, out: str) -> None:
     with torch.no_grad():
         logits = model(args["input_ids"]).logits
         generated = model.generate(args["input_ids"], max_new_tokens=args["max_new_tokens"], do_sample=False)
-        uncached = args["input_ids"]
-        for _ in range(args["max_new_tokens"]):
-            step = model(uncached, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            uncached = torch.cat([uncached, step], dim=1)
+        uncached = greedy_without_cache(model, args["input_ids"], args["max_new_tokens"])
         hidden = AutoModel.from_pretrained(checkpoint, trust_remote_code=True)(args["input_ids"]).last_hidden_state
     outputs = {"logits": logits, "generated": generated, "uncached": uncached, "hidden": hidden}
-    torch.save({**outputs, **_train_step(model, args["input_ids"]), "module": type(model).__module__}, out)
+    torch.save({**outputs, **train_step(model, args["input_ids"]), "module": type(model).__module__}, out)
 
 
-def _train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> dict:
+@torch.no_grad()
+def greedy_without_cache(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """`input_ids` and `new_tokens` greedy tokens, each from a full forward without a cache: the reference a cache must
+    not change."""
+    for _ in range(new_tokens):
+        step = model(input_ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        input_ids = torch.cat([input_ids, step], dim=1)
+    return input_ids
+
+
+def train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> dict:
     """One AdamW step of the copied code with `input_ids` as labels: the loss before and after it, on the same batch."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -7,11 +7,18 @@ Binds to 127.0.0.1 only, serves from memory, and shuts itself down after `lifeti
 import base64
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class FakeHub:
@@ -151,3 +158,12 @@ def fake_hub(lifetime: float = 600.0) -> Iterator[tuple[str, FakeHub]]:
         deadline.cancel()
         server.shutdown()
         server.server_close()
+
+
+def run_against_hub(code: str, env: dict, tmp_path: Path) -> str:
+    """Runs `code` in a fresh interpreter that talks to the fake Hub (huggingface_hub reads HF_ENDPOINT at import);
+    returns its stdout, failing the test with its stderr if it fails."""
+    run_env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=run_env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

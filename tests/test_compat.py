@@ -19,6 +19,7 @@ from transformers import DynamicCache, Trainer, TrainingArguments
 
 from stem_hf import StemForCausalLM
 from stem_hf.compat_stem import CACHE_ARG, SUPPORTED_TRANSFORMERS, check_transformers_version, supports_transformers
+from stem_hf.remote_check import greedy_without_cache
 from tests.conftest import tiny_model
 from tests.test_training import _dataset
 
@@ -33,14 +34,6 @@ MINOR = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 def saved() -> StemForCausalLM:
     """The checkpoint saved under transformers 5.23, loaded by this package's code."""
     return StemForCausalLM.from_pretrained(os.path.join(DATA, "checkpoint")).eval()
-
-
-def _uncached_greedy(model: StemForCausalLM, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
-    for _ in range(new_tokens):
-        with torch.no_grad():
-            next_ids = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, next_ids], dim=1)
-    return ids
 
 
 def _generate(model: StemForCausalLM, ids: torch.Tensor = PROMPTS, **kwargs) -> torch.Tensor:
@@ -63,7 +56,7 @@ def test_the_cache_goes_by_the_name_the_installed_transformers_uses():
 def test_a_checkpoint_saved_under_5_23_gives_its_logits_and_greedy_tokens(saved):
     with torch.no_grad():
         assert torch.equal(saved(PROMPTS).logits, REFERENCE["logits"])
-    assert torch.equal(_uncached_greedy(saved, PROMPTS), GREEDY)
+    assert torch.equal(greedy_without_cache(saved, PROMPTS, NEW_TOKENS), GREEDY)
     assert torch.equal(_generate(saved), GREEDY)
 
 

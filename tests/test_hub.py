@@ -2,10 +2,6 @@
 cannot import stem_hf: every file a STEM checkpoint needs goes up, and the logits come back the same."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -15,9 +11,8 @@ from stem_hf.hub import push_checkpoint
 from stem_hf.model_card import MARKER
 from stem_hf.remote_check import load_without_package
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
-from tests.fake_hub import fake_hub
+from tests.fake_hub import fake_hub, run_against_hub
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKPOINT_FILES = {
     "config.json",
     "generation_config.json",
@@ -40,14 +35,6 @@ def hub():
         yield env, state
 
 
-def _run(code: str, env: dict, tmp_path) -> str:
-    """Runs `code` in a fresh interpreter that talks to the fake Hub (huggingface_hub reads HF_ENDPOINT at import)."""
-    run_env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=run_env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
-
-
 @pytest.fixture
 def saved(tmp_path):
     model = tiny_model(vocab_size=BYTE_VOCAB)
@@ -60,7 +47,8 @@ def saved(tmp_path):
 def test_stem_hf_push_uploads_the_folder_and_a_package_free_load_gets_the_same_logits(hub, saved, tmp_path):
     env, state = hub
     model, folder = saved
-    out = _run(f"from stem_hf.cli import main; main(['push', {str(folder)!r}, 'user/stem-tiny'])", env, tmp_path)
+    push = f"from stem_hf.cli import main; main(['push', {str(folder)!r}, 'user/stem-tiny'])"
+    out = run_against_hub(push, env, tmp_path)
     assert "/user/stem-tiny/commit/" in out
     uploaded = set(state.repos["user/stem-tiny"])
     assert CHECKPOINT_FILES | TOKENIZER_FILES <= uploaded
@@ -77,7 +65,7 @@ def test_stem_hf_push_uploads_the_folder_and_a_package_free_load_gets_the_same_l
 
     code = "from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained('user/stem-tiny', "
     code += "trust_remote_code=True); print(t('hi').input_ids)"
-    assert _run(code, env, tmp_path).strip() == str(byte_tokenizer()("hi").input_ids)
+    assert run_against_hub(code, env, tmp_path).strip() == str(byte_tokenizer()("hi").input_ids)
 
 
 def test_stem_hf_push_again_removes_stale_shards_and_keeps_a_card_edited_on_the_hub(hub, saved, tmp_path):
@@ -85,13 +73,13 @@ def test_stem_hf_push_again_removes_stale_shards_and_keeps_a_card_edited_on_the_
     model, folder = saved
     model.save_pretrained(folder, max_shard_size="20KB")  # one file per table
     push = f"from stem_hf.cli import main; main(['push', {str(folder)!r}, 'user/stem-tiny'])"
-    _run(push, env, tmp_path)
+    run_against_hub(push, env, tmp_path)
     assert {"stem-tables-00001-of-00002.safetensors", "stem-tables-00002-of-00002.safetensors"} <= set(
         state.repos["user/stem-tiny"]
     )
     model.save_pretrained(folder)  # one file for both tables
     state.repos["user/stem-tiny"]["README.md"] = b"# Edited on the Hub\n"
-    _run(push, env, tmp_path)
+    run_against_hub(push, env, tmp_path)
     files = state.repos["user/stem-tiny"]
     tables = sorted(f for f in files if f.startswith("stem-tables-"))
     assert tables == ["stem-tables-00001-of-00001.safetensors"]
@@ -112,7 +100,7 @@ def test_model_push_to_hub_uploads_a_loadable_model_with_its_card_and_provenance
         info = model.push_to_hub("user/pushed", tags=["my-run"])
         print(type(info).__name__, info.oid)
     """
-    out = _run(code, env, tmp_path)
+    out = run_against_hub(code, env, tmp_path)
     assert f"CommitInfo {state.commits['user/pushed'][-1]}" in out  # what transformers' push_to_hub returns
     files = state.repos["user/pushed"]
     assert CHECKPOINT_FILES | {"conversion_report.json"} <= set(files)
@@ -134,7 +122,7 @@ def test_model_push_to_hub_uploads_a_loadable_model_with_its_card_and_provenance
     """
 
     files["README.md"] = b"---\nlicense: mit\n---\n# Written by hand\n"
-    _run(code, env, tmp_path)
+    run_against_hub(code, env, tmp_path)
     kept = ModelCard(state.repos["user/pushed"]["README.md"].decode())
     assert "# Written by hand" in kept.content and kept.data.license == "mit" and "my-run" in kept.data.tags
     assert len(state.commits["user/pushed"]) == 2

@@ -22,7 +22,7 @@ from stem_hf.compat_stem import SUPPORTED_TRANSFORMERS
 from stem_hf.refresh import TEMP_PREFIX, code_files, refresh_code
 from stem_hf.remote_check import load_without_package
 from tests.conftest import tiny_model
-from tests.fake_hub import fake_hub
+from tests.fake_hub import fake_hub, run_against_hub
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "saved-5.23"
@@ -191,9 +191,9 @@ def test_a_hub_repo_is_refreshed_in_one_commit_and_then_loads_with_the_saved_tok
             api.create_repo("user/stem-523")
             api.upload_folder(repo_id="user/stem-523", folder_path={str(DATA / "checkpoint")!r})
         """
-        _run(upload, env, tmp_path)
+        run_against_hub(upload, env, tmp_path)
         assert len(hub.commits["user/stem-523"]) == 1
-        out = _run(REFRESH_REPO, env, tmp_path)
+        out = run_against_hub(REFRESH_REPO, env, tmp_path)
         codes = [line for line in out.splitlines() if line.startswith(("check ", "refresh "))]
         assert codes == ["check 1", "refresh None", "check None"], out
         assert len(hub.commits["user/stem-523"]) == 2  # the refresh's one commit; the checks made none
@@ -234,7 +234,7 @@ def test_a_hub_commit_pushed_meanwhile_makes_the_refresh_fail_instead_of_being_u
             except HfHubHTTPError as error:
                 print("refused", error.response.status_code)
         """
-        out = _run(race, env, tmp_path)
+        out = run_against_hub(race, env, tmp_path)
         assert "refused 412" in out, out
         assert hub.repos["user/stem-523"]["config.json"] == b'{"edited": true}'  # the other commit stands
         assert "compat_stem.py" not in hub.repos["user/stem-523"]
@@ -263,11 +263,3 @@ REFRESH_REPO = """
             code = exit.code
         print("check" if argv else "refresh", code)
 """
-
-
-def _run(code: str, env: dict, tmp_path) -> str:
-    """Runs `code` in a fresh interpreter that talks to the fake Hub (huggingface_hub reads HF_ENDPOINT at import)."""
-    run_env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=run_env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
