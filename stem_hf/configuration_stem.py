@@ -3,8 +3,10 @@
 Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
 """
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
@@ -74,7 +76,60 @@ def resolve_stem_layers(spec: str | Sequence[int] | None, num_hidden_layers: int
     return sorted(layers)
 
 
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+# Sizes past this overflow the products of sizes that tensors and FLOP counts take (vocab x d_ff, positions x heads).
+_MAX_SIZE = 2**31 - 1
+# Rope fields that scale or divide: a zero or negative one gives NaN or inf angles.
+_POSITIVE_ROPE = ("rope_theta", "factor", "original_max_position_embeddings", "attention_factor")
+
+
+def _check_number(name: str, value, allowed: Callable[[float], bool], must: str) -> None:
+    """Raises unless `value` is a finite real number that `allowed` accepts."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not allowed(value):
+        raise ValueError(f"{name}: {value!r} must be {must}")
+
+
+def _check_rope(parameters, name: str = "rope_parameters") -> None:
+    """Every number in the rope parameters finite, and the ones that scale or divide positive."""
+    for key, value in (parameters or {}).items():
+        if isinstance(value, dict):  # per layer type
+            _check_rope(value, f"{name}[{key!r}]")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value) or (key in _POSITIVE_ROPE and value <= 0):
+                must = "a positive finite number" if key in _POSITIVE_ROPE else "finite"
+                raise ValueError(f"{name}[{key!r}]: {value!r} must be {must}")
+
+
+def _check_sizes(config) -> None:
+    for name in _POSITIVE_INTS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: {value!r} must be a positive integer")
+        if value > _MAX_SIZE:
+            raise ValueError(f"{name}: {value} is larger than the largest size a STEM model takes ({_MAX_SIZE})")
+    if config.num_attention_heads % config.num_key_value_heads != 0:
+        raise ValueError(
+            f"num_attention_heads ({config.num_attention_heads}) must be a multiple of num_key_value_heads "
+            f"({config.num_key_value_heads})"
+        )
+
+
+def _check_numbers(config) -> None:
+    _check_number("rms_norm_eps", config.rms_norm_eps, lambda x: x > 0, "a positive finite number")
+    _check_number("initializer_range", config.initializer_range, lambda x: x >= 0, "a finite number >= 0")
+    _check_number("attention_dropout", config.attention_dropout or 0.0, lambda x: 0 <= x < 1, "a probability in [0, 1)")
+    if config.hidden_act not in ACT2FN:
+        raise ValueError(f"hidden_act: {config.hidden_act!r} is not an activation transformers knows (e.g. 'silu')")
 
 
 class StemConfig(PreTrainedConfig):
@@ -158,10 +213,12 @@ class StemConfig(PreTrainedConfig):
         # must not claim the old save's id.
         kwargs.pop("stem_save_id", None)
         self.supported_transformers = SUPPORTED_TRANSFORMERS  # the range of the code that loads it, not the saver's
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: {value!r} must be a positive integer")
+        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        _check_sizes(self)
+        _check_numbers(self)
         pad = self.pad_token_id  # the embedding's padding_idx: torch takes -vocab_size..vocab_size-1, as Python indexes
         if pad is not None and (
             isinstance(pad, bool) or not isinstance(pad, int) or not -self.vocab_size <= pad < self.vocab_size
@@ -169,15 +226,6 @@ class StemConfig(PreTrainedConfig):
             raise ValueError(
                 f"pad_token_id: {pad!r} is neither a token id in the vocabulary [0, {self.vocab_size}), a negative "
                 "index into it (as torch takes), nor None"
-            )
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_key_value_heads})"
             )
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
@@ -187,6 +235,7 @@ class StemConfig(PreTrainedConfig):
             plan = type(self).base_model_tp_plan
             self.base_model_tp_plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
         super().__post_init__(**kwargs)
+        _check_rope(self.rope_parameters)  # after transformers turns legacy rope fields into rope_parameters
 
 
 __all__ = [

@@ -48,7 +48,7 @@ def push_checkpoint(
     person wrote is kept. Returns the commit URL."""
     folder = Path(folder)
     config = load_config(str(folder), hub=False)  # a missing folder is named as such, not tried as a repo id
-    check_checkpoint_files(str(folder), config.vocab_size, config.intermediate_size, config.stem_layers)
+    check_checkpoint_files(str(folder), config)
     if not any(folder.glob("tokenizer*")):
         raise ValueError(f"{folder} has no tokenizer: save one there (tokenizer.save_pretrained) before pushing")
     write_model_card(folder, repo_id=repo_id)

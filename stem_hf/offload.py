@@ -114,7 +114,7 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
     config = load_config(folder, hub=False)
     if not config.stem_layers:
         raise ValueError(f"{folder}: the checkpoint has no STEM layers, so no tables to store")
-    save_id = check_checkpoint_files(folder, config.vocab_size, config.intermediate_size, config.stem_layers)
+    save_id = check_checkpoint_files(folder, config)
     index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
     if not os.path.isfile(index_path):
         raise FileNotFoundError(f"{index_path} is missing: an offload store is built from a saved checkpoint")

@@ -207,33 +207,83 @@ def _leaves_folder(file: str) -> bool:
     return normal in (os.curdir, os.pardir) or normal.startswith(os.pardir + os.sep)
 
 
-def _check_tables(path: str, header: dict, vocab_size: int, intermediate_size: int, stem_layers: list[int]) -> set[int]:
-    """The STEM layers whose tables the file at `path` holds; raises on a table of another layer or shape."""
+# The dtypes a table may be stored in (`configuration_stem.TABLE_DTYPES`), and those of any other weight: a load casts
+# what it reads to the model's dtype, which would turn integers into wrong numbers without a word.
+_TABLE_STORAGE = ("BF16", "F16", "F32")
+_FLOAT_STORAGE = ("BF16", "F16", "F32", "F64", "F8_E5M2", "F8_E4M3")
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_tables(path: str, header: dict, config: StemConfig) -> set[int]:
+    """The STEM layers whose tables the file at `path` holds; raises on a table of another layer, shape or dtype."""
     found = set()
     for name, entry in header.items():
         match = TABLE_KEY.search(name)
         if match is None:
             continue
         layer = int(match.group(1))
-        if layer not in stem_layers:
-            raise ValueError(f"{path}: tensor {name} is a table for layer {layer}, not in stem_layers {stem_layers}")
-        if list(entry["shape"]) != [vocab_size, intermediate_size]:
+        if layer not in config.stem_layers:
+            raise ValueError(
+                f"{path}: tensor {name} is a table for layer {layer}, not in stem_layers {config.stem_layers}"
+            )
+        if list(entry["shape"]) != [config.vocab_size, config.intermediate_size]:
             raise ValueError(
                 f"{path}: tensor {name} has shape {entry['shape']} but the config expects [vocab_size, "
-                f"intermediate_size] = [{vocab_size}, {intermediate_size}]"
+                f"intermediate_size] = [{config.vocab_size}, {config.intermediate_size}]"
+            )
+        if entry["dtype"] not in _TABLE_STORAGE:
+            raise ValueError(
+                f"{path}: tensor {name} is stored as {entry['dtype']}; a table is stored as one of "
+                f"{', '.join(_TABLE_STORAGE)} (loading would cast its values to other numbers)"
             )
         found.add(layer)
     return found
 
 
-def check_checkpoint_files(
-    folder: str, vocab_size: int, intermediate_size: int, stem_layers: list[int], variant: str | None = None
-) -> str | None:
+def _check_dense(path: str, header: dict, config: StemConfig) -> set[int]:
+    """The decoder layers whose weights the file at `path` holds; raises on a weight stored as integers (a quantized
+    checkpoint, which says so in its config, aside)."""
+    layers = set()
+    for name, entry in header.items():
+        if entry["dtype"] not in _FLOAT_STORAGE and getattr(config, "quantization_config", None) is None:
+            raise ValueError(
+                f"{path}: tensor {name} is stored as {entry['dtype']}, not as floating point, and the config declares "
+                "no quantization: loading would cast its values to other numbers"
+            )
+        match = _LAYER_KEY.search(name)
+        if match is not None:
+            layers.add(int(match.group(1)))
+    return layers
+
+
+def _check_layer_count(folder: str, layers: set[int], config: StemConfig) -> None:
+    expected = set(range(config.num_hidden_layers))
+    if layers != expected:
+        held = f"layers {min(layers)}..{max(layers)} ({len(layers)} of them)" if layers else "no decoder layer"
+        raise ValueError(
+            f"{folder}: config.json says num_hidden_layers={config.num_hidden_layers} but the weight files hold "
+            f"{held}; the config belongs to another checkpoint or was edited"
+        )
+
+
+def _missing_index(folder: str, index_name: str) -> None:
+    """Raises if `folder` holds shards but not the index that lists them (transformers would look for a single file)."""
+    shard = re.compile(r"(?:model|stem-tables)(?:\.[A-Za-z0-9_-]+)?-\d{5}-of-\d{5}\.safetensors")
+    shards = sorted(name for name in os.listdir(folder) if shard.fullmatch(name))
+    if shards:
+        raise FileNotFoundError(
+            f"{os.path.join(folder, index_name)} is missing: {folder} holds weight shards ({shards[0]}, ...) but not "
+            "the index that lists them; restore it from the checkpoint's source or save the model again"
+        )
+
+
+def check_checkpoint_files(folder: str, config: StemConfig, variant: str | None = None) -> str | None:
     """Raises, naming the file and the tensor, if a local checkpoint (of `variant`, as `from_pretrained(...,
-    variant=...)` loads it) misses a shard or a table, holds a truncated or corrupt file or index, an index entry
-    outside the folder, files of two saves (a save killed between its renames), or a table whose shape disagrees with
-    the config. Returns the checkpoint's save id (None for one saved before save ids, or without an index). Does nothing
-    for non-safetensors folders."""
+    variant=...)` loads it) misses its index, a shard or a table, holds a truncated or corrupt file or index, an index
+    entry outside the folder, files of two saves (a save killed between its renames), a table whose shape or dtype
+    disagrees with the config, weights stored as integers, or another number of decoder layers than the config's.
+    Returns the checkpoint's save id (None for one saved before save ids, or without an index). Does nothing for
+    non-safetensors folders."""
     check_variant(variant or None)
     single = variant_name(SAFE_WEIGHTS_NAME, variant)
     index_name = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
@@ -253,6 +303,7 @@ def check_checkpoint_files(
                 )
             files.setdefault(file, []).append(name)
     else:
+        _missing_index(folder, index_name)
         return None
     config_id = _config_save_id(folder)
     if config_id is not None and config_id not in _folder_save_ids(folder):
@@ -261,7 +312,7 @@ def check_checkpoint_files(
             f"than any index in {folder}: a save into it was interrupted between its renames, or the config was copied "
             f"from another checkpoint; re-run save_pretrained (or remove {SAVE_ID_KEY} from a config you copied)"
         )
-    found_tables = set()
+    found_tables, found_layers = set(), set()
     for file, names in files.items():
         path = os.path.join(folder, file)
         if not os.path.isfile(path):
@@ -283,15 +334,17 @@ def check_checkpoint_files(
         for name in names or ():
             if name not in header:
                 raise ValueError(f"{path} lacks tensor {name}, which {index_name} says it holds")
-        found_tables.update(_check_tables(path, header, vocab_size, intermediate_size, stem_layers))
+        found_tables.update(_check_tables(path, header, config))
+        found_layers.update(_check_dense(path, header, config))
         if torn is not None:  # a file without an id among a save's: replaced by hand, or by a save before save ids
             raise torn
-    missing = sorted(set(stem_layers) - found_tables)
+    missing = sorted(set(config.stem_layers) - found_tables)
     if missing:
         raise ValueError(
             f"{folder}: the config lists STEM layer {missing[0]} but no file holds its table (stem_tables.{missing[0]}"
             f".weight); STEM layers without a table: {missing}"
         )
+    _check_layer_count(folder, found_layers, config)
     return save_id
 
 
@@ -647,24 +700,96 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _lock(folder: str) -> int | None:
-    """Holds an exclusive lock on `folder` for as long as the returned descriptor is open; the kernel drops it when the
-    process dies, which is how a later save tells a killed save's staging folder from a running one's. None where
-    locks are not available."""
+def _flock(path: str, exclusive: bool, wait_message: str | None = None) -> int | None:
+    """Holds a lock on the folder `path` for as long as the returned descriptor is open; the kernel drops it when the
+    process dies. Without `wait_message`, returns None at once where another process holds a conflicting lock; with
+    it, logs the message and waits. None where locks are not available (no fcntl, a file system without flock)."""
     try:
         import fcntl
     except ImportError:
         return None
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if wait_message is None:
+                raise
+            logger.info(wait_message)
+            fcntl.flock(fd, mode)
     except OSError:
         os.close(fd)
         return None
     return fd
+
+
+def _lock(folder: str) -> int | None:
+    """An exclusive lock on a staging folder, which tells a later save a killed save's folder from a running one's."""
+    return _flock(folder, exclusive=True)
+
+
+# Every file a load reads or a save replaces, of any variant: configs, indexes, weight shards.
+_CHECKPOINT_FILE = re.compile(
+    r"(?:generation_)?config\.json|(?:model|pytorch_model|stem-tables)(?:\.[A-Za-z0-9_-]+)?(?:-\d{5}-of-\d{5})?"
+    r"\.(?:safetensors|bin)|(?:model\.safetensors|pytorch_model\.bin)\.index(?:\.[A-Za-z0-9_-]+)?\.json"
+)
+
+
+def _snapshot(folder: str) -> dict[str, tuple[int, ...]]:
+    """Identity and state of each checkpoint file in `folder`: a save replaces files by rename (a new inode), a copy
+    over one rewrites it (a new size or mtime); either changes this."""
+    files = {}
+    for entry in os.scandir(folder):
+        if _CHECKPOINT_FILE.fullmatch(entry.name):
+            try:
+                st = entry.stat()
+            except OSError:  # a dangling link: the load reports it
+                continue
+            files[entry.name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return files
+
+
+@contextmanager
+def reading_checkpoint(path: str | os.PathLike | None, subfolder: str = "") -> Iterator[None]:
+    """Reads of a local checkpoint folder inside this (its checks and transformers' load) see the files of one save,
+    or fail: they hold a shared lock on the folder, which a save's commit waits for (and a load that meets a commit
+    waits for it), and they fail if a checkpoint file changed meanwhile (a writer that does not take the lock, or a
+    file system without flock)."""
+    folder = os.path.join(os.fspath(path), subfolder) if path is not None else ""
+    if not os.path.isdir(folder):  # a Hub id: the Hub's snapshot of one revision
+        yield
+        return
+    lock = _flock(folder, exclusive=False, wait_message=f"{folder}: waiting for a save into it to finish its renames")
+    try:
+        before = _snapshot(folder)
+        yield
+        after = _snapshot(folder)
+        changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        if changed:
+            raise RuntimeError(
+                f"{folder}: {', '.join(changed)} changed while the checkpoint was read (a save or copy into the folder "
+                "ran meanwhile without stem-hf's lock), so what was read may mix two saves; load it again once the "
+                "writer is done"
+            )
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+@contextmanager
+def _committing(target: str) -> Iterator[None]:
+    """An exclusive lock on `target` while a save renames its files into it: loads in progress finish first, and
+    loads that start meanwhile wait."""
+    lock = _flock(target, exclusive=True, wait_message=f"{target}: waiting for loads of it to finish before the save")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def _abandoned(folder: str) -> bool:
@@ -710,10 +835,16 @@ def staged_folder(target: str | os.PathLike, variant: str | None = None) -> Iter
     existing one gets each file replaced by rename (weight files first, the index of `variant` last) and stale weight
     files of `variant` removed. Every byte is on disk before the first rename, and nothing in `target` is touched if
     the save fails. A commit killed between its renames leaves weight files whose save id differs from the index's,
-    which `check_checkpoint_files` refuses; the staging folders of killed saves are removed by the next save."""
+    which `check_checkpoint_files` refuses; the staging folders of killed saves are removed by the next save. The
+    renames into an existing `target` hold its lock (`reading_checkpoint`), so loads never see them half done."""
     target = os.path.abspath(target)
     if os.path.isfile(target):
         raise NotADirectoryError(f"{target} is a file; save_pretrained needs a folder")
+    if os.path.islink(target) and not os.path.exists(target):
+        raise FileNotFoundError(
+            f"{target} is a symbolic link to {os.readlink(target)}, which does not exist: create that folder, or "
+            "remove the link to save into a new folder in its place"
+        )
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     _remove_abandoned_staging(target)
@@ -734,28 +865,35 @@ def staged_folder(target: str | os.PathLike, variant: str | None = None) -> Iter
         if not os.path.exists(target):
             os.rename(staging, target)
         else:
-            new = os.listdir(staging)
-            weight_files = _weight_files(variant)
-            index_name = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
-            single = variant_name(SAFE_WEIGHTS_NAME, variant)
-            stale = [f for f in os.listdir(target) if weight_files.fullmatch(f) and f not in new]
-            for name in new:  # files mkstemp-like writers made private get the usual permissions too
-                os.chmod(os.path.join(staging, name), 0o666 & ~umask)
-            # Weight files first: once one is in, the old index no longer matches and a kill is caught at load; the
-            # config and code follow, so they never change under old weights.
-            for name in sorted(new, key=lambda f: (f == index_name, not weight_files.fullmatch(f), f)):
-                if name == index_name and single in stale:
-                    # transformers would load a stale single file in preference to the new index.
-                    os.remove(os.path.join(target, single))
-                    stale.remove(single)
-                os.replace(os.path.join(staging, name), os.path.join(target, name))
-            for name in stale:
-                os.remove(os.path.join(target, name))
+            with _committing(target):
+                _replace_files(staging, target, variant, umask)
         _fsync(parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if lock is not None:
             os.close(lock)
+
+
+def _replace_files(staging: str, target: str, variant: str | None, umask: int) -> None:
+    """Moves a staged save's files into the existing folder `target` by rename, weight files first and the index
+    last, and removes the weight files of `variant` that the save does not have."""
+    new = os.listdir(staging)
+    weight_files = _weight_files(variant)
+    index_name = variant_name(SAFE_WEIGHTS_INDEX_NAME, variant)
+    single = variant_name(SAFE_WEIGHTS_NAME, variant)
+    stale = [f for f in os.listdir(target) if weight_files.fullmatch(f) and f not in new]
+    for name in new:  # files mkstemp-like writers made private get the usual permissions too
+        os.chmod(os.path.join(staging, name), 0o666 & ~umask)
+    # Weight files first: once one is in, the old index no longer matches and a kill is caught at load; the
+    # config and code follow, so they never change under old weights.
+    for name in sorted(new, key=lambda f: (f == index_name, not weight_files.fullmatch(f), f)):
+        if name == index_name and single in stale:
+            # transformers would load a stale single file in preference to the new index.
+            os.remove(os.path.join(target, single))
+            stale.remove(single)
+        os.replace(os.path.join(staging, name), os.path.join(target, name))
+    for name in stale:
+        os.remove(os.path.join(target, name))
 
 
 # Tables in memory ----------------------------------------------------------------------------------------------
@@ -1010,9 +1148,7 @@ def prepare_load(model_class: type, path, kwargs: dict) -> str | None:
     _refuse_shape_overrides(config, kwargs)
     save_id = None
     if os.path.isdir(folder):
-        save_id = check_checkpoint_files(
-            folder, config.vocab_size, config.intermediate_size, config.stem_layers, kwargs.get("variant")
-        )
+        save_id = check_checkpoint_files(folder, config, kwargs.get("variant"))
     if device_map is not None and config.keep_tables_on_cpu and config.stem_layers:
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         kwargs["device_map"] = device_map_keeping_tables_on_cpu(
@@ -1196,6 +1332,7 @@ __all__ = [
     "read_safetensors_header",
     "read_safetensors_metadata",
     "read_save_id",
+    "reading_checkpoint",
     "save_checkpoint",
     "save_tables",
     "stale_provenance",

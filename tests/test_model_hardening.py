@@ -37,6 +37,22 @@ def greedy(model, n: int = 6, **kwargs) -> torch.Tensor:
         ({"intermediate_size": 64.0}, "intermediate_size: 64.0 must be a positive integer"),
         ({"pad_token_id": 96}, r"pad_token_id: 96 is neither a token id in the vocabulary \[0, 96\)"),
         ({"pad_token_id": -97}, "pad_token_id: -97 is neither a token id"),
+        # issue 35: sizes and numbers that built a model giving NaN, or failed deep in torch
+        ({"num_key_value_heads": 0}, "num_key_value_heads: 0 must be a positive integer"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+        ({"head_dim": 0}, "head_dim: 0 must be a positive integer"),
+        ({"max_position_embeddings": -3}, "max_position_embeddings: -3 must be a positive integer"),
+        ({"vocab_size": 10**20}, r"vocab_size: 100000000000000000000 is larger than the largest size .*2147483647"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps: nan must be a positive finite number"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps: 0.0 must be a positive finite number"),
+        ({"initializer_range": float("inf")}, r"initializer_range: inf must be a finite number >= 0"),
+        ({"attention_dropout": 1.5}, r"attention_dropout: 1.5 must be a probability in \[0, 1\)"),
+        ({"hidden_act": "swish2"}, "hidden_act: 'swish2' is not an activation transformers knows"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, r"rope_theta'\]: -1.0 must be a positive"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": float("nan")}},
+            r"rope_parameters\['factor'\]: nan must be a positive finite number",
+        ),
     ],
 )
 def test_bad_config_values_are_named(overrides, message):

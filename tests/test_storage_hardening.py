@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -416,3 +417,176 @@ def test_results_of_other_weights_are_set_aside_under_distinct_names_and_not_pus
     assert json.loads(path.read_text())["stem_save_id"] == "../../evil"
     _merge_into(path, {"results": {}}, "d" * 32)  # an id that is not a file name stays out of paths
     assert len([p for p in tmp_path.iterdir() if p.parent == tmp_path]) == 5
+
+
+# 5. Loads and saves into one folder at the same time (issue 35)
+
+
+def _replace_all(source, folder) -> None:
+    """What a save's commit does: each checkpoint file of `source` renamed into `folder`, the index last."""
+    names = sorted((p.name for p in source.iterdir() if p.is_file()), key=lambda name: name == INDEX)
+    for name in names:
+        os.replace(source / name, folder / name)
+
+
+def test_a_load_that_meets_a_commit_waits_for_it_and_reads_only_the_new_save(saved, tmp_path):
+    from stem_hf.storage_stem import _committing
+
+    model, folder = saved
+    torch.manual_seed(1)
+    other = tiny_model()
+    other.save_pretrained(tmp_path / "other")
+    loaded = {}
+
+    def load():
+        loaded["model"] = StemForCausalLM.from_pretrained(folder)
+
+    with _committing(str(folder)):  # the lock a save holds while it renames its files in
+        reader = threading.Thread(target=load)
+        reader.start()
+        reader.join(timeout=2.0)
+        assert reader.is_alive(), "the load did not wait for the commit in progress"
+        _replace_all(tmp_path / "other", folder)
+    reader.join()
+    assert _same(_state(loaded["model"]), _state(other))
+
+
+def test_a_save_commits_only_after_loads_in_progress(saved):
+    from stem_hf.storage_stem import reading_checkpoint
+
+    model, folder = saved
+    before = {p.name: p.stat().st_ino for p in folder.iterdir() if p.suffix == ".safetensors"}
+    torch.manual_seed(1)
+    other = tiny_model()
+    with reading_checkpoint(folder):  # a load in progress
+        writer = threading.Thread(target=other.save_pretrained, args=(folder,))
+        writer.start()
+        writer.join(timeout=2.0)
+        assert writer.is_alive(), "the save renamed files under a load in progress"
+        assert {p.name: p.stat().st_ino for p in folder.iterdir() if p.suffix == ".safetensors"} == before
+    writer.join()
+    assert _same(_state(StemForCausalLM.from_pretrained(folder)), _state(other))
+
+
+@pytest.mark.parametrize("replaced", [TABLES, DENSE, INDEX, "config.json"])
+def test_a_file_replaced_without_the_lock_during_a_read_fails_it(saved, tmp_path, replaced):
+    from stem_hf.storage_stem import reading_checkpoint
+
+    model, folder = saved
+    tiny_model().save_pretrained(tmp_path / "other")
+    with pytest.raises(RuntimeError, match=f"{replaced} changed while the checkpoint was read.*load it again"):
+        with reading_checkpoint(folder):
+            os.replace(tmp_path / "other" / replaced, folder / replaced)  # a writer that does not take the lock
+
+
+@pytest.mark.slow
+def test_loads_during_alternating_saves_each_read_one_save_whole(tmp_path):
+    """Real processes: one saves two checkpoints of the same shape into one folder in turn, this one loads it
+    meanwhile; every load equals one of them exactly and none is refused."""
+    models = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        torch.manual_seed(seed)
+        models[name] = tiny_model()
+        models[name].save_pretrained(tmp_path / name, max_shard_size="20KB")  # several shards: a longer commit
+    folder, saves = tmp_path / "ckpt", 120
+    models["a"].save_pretrained(folder, max_shard_size="20KB")
+    code = f"""
+        from stem_hf import StemForCausalLM
+        a = StemForCausalLM.from_pretrained({str(tmp_path / "a")!r})
+        b = StemForCausalLM.from_pretrained({str(tmp_path / "b")!r})
+        for i in range({saves}):
+            (b if i % 2 == 0 else a).save_pretrained({str(folder)!r}, max_shard_size="20KB")
+    """
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, "PYTHONPATH": ROOT}, stderr=subprocess.PIPE
+    )
+    states = {name: _state(model) for name, model in models.items()}
+    seen = {"a": 0, "b": 0}
+    try:
+        while writer.poll() is None:
+            state = _state(StemForCausalLM.from_pretrained(folder))
+            match = [name for name, expected in states.items() if _same(state, expected)]
+            assert match, "a load mixed the files of two saves"
+            seen[match[0]] += 1
+    finally:
+        writer.kill()
+        _, stderr = writer.communicate()
+    assert writer.returncode == 0, stderr.decode()[-3000:]
+    print(seen)
+    assert seen["a"] and seen["b"] and sum(seen.values()) >= 30, seen
+
+
+# 6. Configs and shards that would load as a silently wrong model (issue 35)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8])
+def test_a_table_shard_rewritten_as_integers_is_refused(saved, dtype):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model, folder = saved
+    with safe_open(folder / TABLES, "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k).to(dtype) for k in f.keys()}
+    save_file(tensors, folder / TABLES, metadata=metadata)  # the save id kept: only the dtype is wrong
+    with pytest.raises(
+        ValueError, match=rf"{TABLES}: tensor model.stem_tables.1.weight is stored as (I64|U8); a table"
+    ):
+        StemForCausalLM.from_pretrained(folder)
+
+
+def test_a_dense_shard_rewritten_as_integers_is_refused(saved):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model, folder = saved
+    with safe_open(folder / DENSE, "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, folder / DENSE, metadata=metadata)
+    with pytest.raises(ValueError, match="model.norm.weight is stored as I32, not as floating point"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("layers", [3, 5])
+def test_a_config_with_another_layer_count_than_the_files_is_refused(tmp_path, layers):
+    folder = tmp_path / "ckpt"
+    tiny_model(stem_layers=[1]).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"num_hidden_layers={layers} but the weight files hold layers 0..3 \(4 of"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+def test_a_missing_index_beside_its_shards_is_named(tmp_path):
+    folder = tmp_path / "ckpt"
+    tiny_model().save_pretrained(folder)
+    (folder / INDEX).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{INDEX} is missing: .* holds weight shards \\(model-00001-of-00001"):
+        StemForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("rms_norm_eps", float("nan"), "rms_norm_eps: nan must be a positive finite number"),
+        ("num_key_value_heads", 0, "num_key_value_heads: 0 must be a positive integer"),
+        ("head_dim", -8, "head_dim: -8 must be a positive integer"),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": float("inf")}, r"rope_theta'\]: inf must be"),
+    ],
+)
+def test_a_config_json_with_a_bad_number_is_refused_before_any_weight_is_read(saved, field, value, says):
+    model, folder = saved
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))  # json writes NaN and Infinity, as a hand edit could
+    with pytest.raises(ValueError, match=says):
+        StemForCausalLM.from_pretrained(folder)
+
+
+def test_saving_through_a_dangling_symlink_names_the_link(tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match="link is a symbolic link to .*gone, which does not exist"):
+        tiny_model().save_pretrained(link)
+    assert not (tmp_path / "gone").exists() and link.is_symlink()
