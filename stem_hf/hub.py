@@ -21,6 +21,7 @@ from .storage_stem import (
     SAVE_ID_KEY,
     check_checkpoint_files,
     read_save_id,
+    reading_checkpoint,
     stale_provenance,
     write_card,
 )
@@ -48,6 +49,19 @@ def push_checkpoint(
     person wrote is kept. Returns the commit URL."""
     folder = Path(folder)
     config = load_config(str(folder), hub=False)  # a missing folder is named as such, not tried as a repo id
+    with reading_checkpoint(folder):  # a save into the folder waits until the upload has read every file
+        return _push_folder(folder, config, repo_id, private, revision, commit_message, token)
+
+
+def _push_folder(
+    folder: Path,
+    config,
+    repo_id: str,
+    private: bool | None,
+    revision: str | None,
+    commit_message: str | None,
+    token: str | None,
+) -> str:
     check_checkpoint_files(str(folder), config)
     if not any(folder.glob("tokenizer*")):
         raise ValueError(f"{folder} has no tokenizer: save one there (tokenizer.save_pretrained) before pushing")

@@ -22,7 +22,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 from . import StemConfig, StemForCausalLM, StemModel, __version__
 from .accounting import check_local, check_stem
 from .compat_stem import SUPPORTED_TRANSFORMERS, parse_range
-from .storage_stem import CONFIG_NAME
+from .storage_stem import CONFIG_NAME, commit_lock
 
 RANGE_KEY = "supported_transformers"
 # What `save_pretrained` of a STEM model writes into `auto_map`: a config without it holds no stem-hf code to refresh.
@@ -168,13 +168,10 @@ def _stage(folder: Path, name: str, data: bytes, mode: int) -> str:
 def _replace_files(folder: Path, changes: dict[str, bytes], before: dict[str, bytes | None]) -> None:
     """Stages every new file, then renames each into place in `_rename_order`; removes what it staged if anything fails.
 
-    No lock is taken: storage_stem's `_lock` guards a save's own staging folder (so that a later save can tell a killed
-    one's leftovers), and neither saves nor loads lock the checkpoint folder, so there is none to take. Per-file renames
-    are safe against a concurrent load all the same: each file it opens is whole, old or new, never half written, and
-    transformers reads modeling_stem.py before the files it imports, so a load that races the refresh gets at worst the
-    mix a crash between renames leaves (see `_rename_order`). A file that changed since it was read (a save into the
-    folder meanwhile) stops the refresh before its rename, so that an old config.json, with its save id, is not put
-    back over a new save's (short of a save landing between that check and the rename)."""
+    The renames hold the folder's commit lock (`storage_stem.commit_lock`), as a save's do: loads in progress finish
+    first and loads that start meanwhile wait, so none reads old code with a new config. A file that changed since it
+    was read (a save into the folder meanwhile) stops the refresh before its rename, so that an old config.json, with
+    its save id, is not put back over a new save's."""
     order = _rename_order(changes, before)
     new_mode = os.stat(folder / CONFIG_NAME).st_mode & 0o777  # a new code file gets the config's permissions
     staged = {}
@@ -182,11 +179,12 @@ def _replace_files(folder: Path, changes: dict[str, bytes], before: dict[str, by
         for name in order:
             mode = os.stat(folder / name).st_mode & 0o777 if before[name] is not None else new_mode
             staged[name] = _stage(folder, name, changes[name], mode)
-        for name in order:
-            if _read(folder / name) != before[name]:
-                raise RuntimeError(f"{folder / name} changed while its code was refreshed (a save?); run it again")
-            os.replace(staged.pop(name), folder / name)
-        _fsync_folder(folder)
+        with commit_lock(folder):
+            for name in order:
+                if _read(folder / name) != before[name]:
+                    raise RuntimeError(f"{folder / name} changed while its code was refreshed (a save?); run it again")
+                os.replace(staged.pop(name), folder / name)
+            _fsync_folder(folder)
     finally:
         for temp in staged.values():
             with contextlib.suppress(FileNotFoundError):

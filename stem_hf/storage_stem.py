@@ -772,7 +772,7 @@ def reading_checkpoint(path: str | os.PathLike | None, subfolder: str = "") -> I
         if changed:
             raise RuntimeError(
                 f"{folder}: {', '.join(changed)} changed while the checkpoint was read (a save or copy into the folder "
-                "ran meanwhile without stem-hf's lock), so what was read may mix two saves; load it again once the "
+                "ran meanwhile without stem-hf's lock), so what was read may mix two saves; run it again once the "
                 "writer is done"
             )
     finally:
@@ -781,9 +781,9 @@ def reading_checkpoint(path: str | os.PathLike | None, subfolder: str = "") -> I
 
 
 @contextmanager
-def _committing(target: str) -> Iterator[None]:
-    """An exclusive lock on `target` while a save renames its files into it: loads in progress finish first, and
-    loads that start meanwhile wait."""
+def commit_lock(target: str | os.PathLike) -> Iterator[None]:
+    """An exclusive lock on the folder `target` while a save (or `stem-hf refresh-code`) renames files into it: loads
+    in progress finish first, and loads that start meanwhile wait (`reading_checkpoint`)."""
     lock = _flock(target, exclusive=True, wait_message=f"{target}: waiting for loads of it to finish before the save")
     try:
         yield
@@ -865,7 +865,7 @@ def staged_folder(target: str | os.PathLike, variant: str | None = None) -> Iter
         if not os.path.exists(target):
             os.rename(staging, target)
         else:
-            with _committing(target):
+            with commit_lock(target):
                 _replace_files(staging, target, variant, umask)
         _fsync(parent)
     finally:
@@ -1323,6 +1323,7 @@ __all__ = [
     "block_rows",
     "check_checkpoint_files",
     "check_variant",
+    "commit_lock",
     "device_map_keeping_tables_on_cpu",
     "finish_checkpoint",
     "finish_load",

@@ -263,3 +263,20 @@ REFRESH_REPO = """
             code = exit.code
         print("check" if argv else "refresh", code)
 """
+
+
+def test_a_refresh_waits_for_a_load_in_progress_before_its_renames(folder):
+    import threading
+
+    from stem_hf.storage_stem import reading_checkpoint
+
+    before = _snapshot(folder)
+    with reading_checkpoint(folder):  # a load of the folder in progress
+        writer = threading.Thread(target=refresh_code, args=(str(folder),))
+        writer.start()
+        writer.join(timeout=2.0)
+        staged_only = {k: v for k, v in _snapshot(folder).items() if not k.startswith(TEMP_PREFIX)}
+        assert writer.is_alive() and staged_only == before, "the refresh renamed files under a load"
+    writer.join()
+    assert _stale(folder) == {"config.json"}  # every code file refreshed (config.json is always listed)
+    assert refresh_code(str(folder)).changed == ()

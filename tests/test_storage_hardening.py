@@ -430,7 +430,7 @@ def _replace_all(source, folder) -> None:
 
 
 def test_a_load_that_meets_a_commit_waits_for_it_and_reads_only_the_new_save(saved, tmp_path):
-    from stem_hf.storage_stem import _committing
+    from stem_hf.storage_stem import commit_lock
 
     model, folder = saved
     torch.manual_seed(1)
@@ -441,7 +441,7 @@ def test_a_load_that_meets_a_commit_waits_for_it_and_reads_only_the_new_save(sav
     def load():
         loaded["model"] = StemForCausalLM.from_pretrained(folder)
 
-    with _committing(str(folder)):  # the lock a save holds while it renames its files in
+    with commit_lock(str(folder)):  # the lock a save holds while it renames its files in
         reader = threading.Thread(target=load)
         reader.start()
         reader.join(timeout=2.0)
@@ -474,7 +474,7 @@ def test_a_file_replaced_without_the_lock_during_a_read_fails_it(saved, tmp_path
 
     model, folder = saved
     tiny_model().save_pretrained(tmp_path / "other")
-    with pytest.raises(RuntimeError, match=f"{replaced} changed while the checkpoint was read.*load it again"):
+    with pytest.raises(RuntimeError, match=f"{replaced} changed while the checkpoint was read.*run it again"):
         with reading_checkpoint(folder):
             os.replace(tmp_path / "other" / replaced, folder / replaced)  # a writer that does not take the lock
 
