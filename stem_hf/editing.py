@@ -8,11 +8,13 @@ Length mismatches between source (n tokens) and target (m tokens):
 
 Apply per call (`stem_input_ids` from `edited_ids`), as a reversible context manager (`StemEditor`, the model's row
 source while active), or persisted into the tables (`persist_edit`, then `save_pretrained`; `persisted` for a block).
+A persisted edit also reaches the rows an attached offload engine serves from its own copy of the tables.
 """
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -20,6 +22,43 @@ from torch import nn
 from .storage_stem import unsaved_id
 
 STRATEGIES = ("pad", "subset", "mean")
+FREED = (
+    "the model's tables were freed by StemOffloadEngine(free_tables=True) and no engine serving them is attached: "
+    "attach that engine (edits then go into the rows it serves) or detach it (which rebuilds the tables) first"
+)
+
+
+@runtime_checkable
+class StemTableCopy(Protocol):
+    """A row source that serves its own copy of the tables (`offload.StemOffloadEngine`): a persisted edit must be
+    written into it too, or it keeps serving the rows from before the edit."""
+
+    def check_writable(self) -> None:
+        """Raises, naming why and what to do, where `write_rows` cannot change what it serves."""
+
+    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """STEM layer `layer`'s rows of `ids` as served."""
+
+    def write_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Serves `rows` for `ids` in STEM layer `layer` from now on."""
+
+    def kept_rows(self, ids: torch.Tensor) -> AbstractContextManager:
+        """Puts the rows of `ids` back exactly as they were on leaving the block."""
+
+
+def table_copies(model: nn.Module) -> list[StemTableCopy]:
+    """The table copies that serve `model`'s rows: its row source, and the sources under editors wrapping it."""
+    copies, source = [], model.base_model.row_source
+    while source is not None:
+        if isinstance(source, StemTableCopy):
+            copies.append(source)
+        source = getattr(source, "wrapped_source", None)  # a wrapper (StemEditor) declares what it reads from
+    return copies
+
+
+def tables_freed(model: nn.Module) -> bool:
+    """Whether `StemOffloadEngine(free_tables=True)` dropped the model's tables (they then hold no rows)."""
+    return any(t.weight.shape[0] == 0 for t in model.base_model.stem_tables.values())
 
 
 @dataclass(frozen=True)
@@ -164,10 +203,15 @@ class StemEditor:
                 overrides.append((batch_rows, positions, edit.target))
         return _EditedRows(rows, self.tables, overrides)
 
+    @property
+    def wrapped_source(self):
+        """The row source this editor reads from while active (None: the model's tables)."""
+        return self._source
+
     def __enter__(self) -> "StemEditor":
         if self._active:
             raise RuntimeError("StemEditor: already active; enter an editor once at a time")
-        if any(e.strategy == "mean" for e in self.edits) and any(t.weight.shape[0] == 0 for t in self.tables.values()):
+        if any(e.strategy == "mean" for e in self.edits) and tables_freed(self.model):
             raise ValueError("StemEditor: mean edits read the tables, which an offload engine freed (free_tables=True)")
         self._calls = 0
         self._source = self.model.base_model.set_row_source(self)
@@ -188,7 +232,9 @@ class StemEditor:
 def persist_edit(model: nn.Module, edit: StemEdit) -> None:
     """Writes the edit into the tables: each source token's row becomes its target row (`pad`, `subset`) or the mean
     of the target's rows (`mean`), in every STEM layer, for every context the token appears in. Save with
-    `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file."""
+    `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file. An attached offload
+    engine serves the edited rows too (built in memory: one on a mapped store file refuses, before anything changes);
+    tables it freed are edited in its copy, and come back edited when it detaches."""
     check_edits(model, [edit])
     if edit.strategy != "mean":  # mean gives every source token the same row: repeats agree
         wanted: dict[int, int] = {}
@@ -199,38 +245,60 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
                     f"of both {wanted[source]} and {target}; one table row cannot hold both (apply the edit per call "
                     "with StemEditor, or use strategy='mean')"
                 )
+    copies, freed = table_copies(model), tables_freed(model)
+    for copy in copies:
+        copy.check_writable()
+    if freed and not copies:
+        raise ValueError(f"persist_edit: {FREED}")
     model.stem_save_id = unsaved_id()  # the tables no longer hold the loaded or saved checkpoint's rows
-    for table in model.base_model.stem_tables.values():
-        write_edited_rows(table.weight, edit)
+    source = list(edit.source)
+    for key, table in model.base_model.stem_tables.items():
+        if freed:  # the engine's copy is the only one: the edit reads its rows
+            rows = edited_rows(lambda ids, layer=int(key): copies[0].read_rows(layer, torch.tensor(ids)), edit)
+        else:  # the model's rows, exact, as a rebuilt engine would take them
+            write_edited_rows(table.weight, edit)
+            rows = table.weight[source]
+        for copy in copies:
+            copy.write_rows(int(key), torch.tensor(source), rows)
+
+
+def edited_rows(read: Callable[[list[int]], torch.Tensor], edit: StemEdit) -> torch.Tensor:
+    """The float32 rows an edit gives its source tokens, from `read(ids)`, the current rows of `ids`: the mapped
+    target's rows (`pad`, `subset`) or their mean (`mean`)."""
+    if edit.strategy == "mean":
+        return read(list(edit.target)).float().mean(dim=0, keepdim=True).expand(len(edit.source), -1)
+    return read(list(edit.mapped_target())).float()
 
 
 @torch.no_grad()
 def write_edited_rows(weight: torch.Tensor, edit: StemEdit) -> None:
     """Writes into the `[vocab, width]` matrix `weight` the rows an edit gives its source tokens: the mapped target's
     rows (`pad`, `subset`) or their mean (`mean`). Any per-token matrix: a table, or an embedding for comparison."""
-    if edit.strategy == "mean":
-        rows = weight[list(edit.target)].float().mean(dim=0, keepdim=True).expand(len(edit.source), -1)
-    else:
-        rows = weight[list(edit.mapped_target())].float()
-    weight[list(edit.source)] = rows.to(weight.dtype).clone()
+    weight[list(edit.source)] = edited_rows(lambda ids: weight[ids], edit).to(weight.dtype).clone()
 
 
 @contextmanager
 def persisted(model: nn.Module, edit: StemEdit) -> Iterator[None]:
     """`persist_edit` for the duration of a `with` block, then the source rows and the model's save id exactly as they
-    were: to measure what a persisted edit does (to prompts without the source, say) and leave the model unchanged."""
+    were: to measure what a persisted edit does (to prompts without the source, say) and leave the model unchanged.
+    The rows of an attached offload engine's copy are put back too."""
+    check_edits(model, [edit])
     rows = list(edit.source)
     tables = model.base_model.stem_tables
-    saved = {k: t.weight.detach()[rows].clone() for k, t in tables.items()}  # only what persist_edit writes
+    freed = tables_freed(model)  # then the engine's copy is all persist_edit writes
+    saved = {} if freed else {k: t.weight.detach()[rows].clone() for k, t in tables.items()}
     save_id = getattr(model, "stem_save_id", None)
-    try:
-        persist_edit(model, edit)
-        yield
-    finally:
-        with torch.no_grad():
-            for k, t in tables.items():
-                t.weight[rows] = saved[k]
-        model.stem_save_id = save_id
+    with ExitStack() as stack:
+        for copy in table_copies(model):
+            stack.enter_context(copy.kept_rows(torch.tensor(rows)))
+        try:
+            persist_edit(model, edit)
+            yield
+        finally:
+            with torch.no_grad():
+                for k, weights in saved.items():
+                    tables[k].weight[rows] = weights
+            model.stem_save_id = save_id
 
 
 @contextmanager
@@ -244,11 +312,15 @@ __all__ = [
     "STRATEGIES",
     "StemEdit",
     "StemEditor",
+    "StemTableCopy",
     "check_edits",
     "edited",
     "edited_ids",
+    "edited_rows",
     "find_occurrences",
     "persist_edit",
     "persisted",
+    "table_copies",
+    "tables_freed",
     "write_edited_rows",
 ]

@@ -373,6 +373,7 @@ class StemPreTrainedModel(PreTrainedModel):
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
         """Also resizes every STEM table; new rows are the mean of the old ones (`mean_resizing`) or xavier-normal."""
+        self.base_model.stem_tables.check_not_freed("resize_token_embeddings")  # before the embeddings change
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.base_model.stem_tables.resize(embeddings.num_embeddings, mean_resizing)
         return embeddings

@@ -35,6 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .accounting import available_memory, check_disk_room, load_config
+from .modeling_stem import check_token_ids
 from .storage_stem import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAVE_ID_KEY,
@@ -46,6 +47,7 @@ from .storage_stem import (
     map_safetensors,
     read_safetensors_header,
     read_safetensors_metadata,
+    reading_checkpoint,
 )
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
@@ -81,15 +83,33 @@ class StemHostTables:
         for start in tqdm(range(0, vocab, BUILD_ROWS), desc="STEM host tables", unit="block", leave=False):
             block = slice(start, min(start + BUILD_ROWS, vocab))
             for i, layer in enumerate(self.layers):
-                rows = tables[layer].detach()[block].to("cpu")
-                if int8:
-                    rows = rows.float()
-                    scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
-                    self.data[block, i] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
-                    self.scales[block, i] = scale
-                else:
-                    self.data[block, i] = rows.to(dtype)
+                self._put(block, i, tables[layer].detach()[block].to("cpu"))
         self.slot = {layer: i for i, layer in enumerate(self.layers)}
+
+    def _put(self, index, slot: int, rows: torch.Tensor) -> None:
+        """Stores `rows` (table rows, any float dtype) at `index` of layer slot `slot`: cast, or int8 with a scale."""
+        if self.scales is None:
+            self.data[index, slot] = rows.to(self.data.dtype)
+            return
+        rows = rows.float()
+        scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.data[index, slot] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scales[index, slot] = scale
+
+    def read(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s rows of `ids` as served: in float32, dequantized for int8."""
+        rows = self.data[ids, self.slot[layer]].float()
+        return rows if self.scales is None else rows * self.scales[ids, self.slot[layer], None]
+
+    def write(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Replaces layer `layer`'s rows of `ids` with `rows`, stored as the build stores them (cast, or int8)."""
+        self._put(ids, self.slot[layer], rows.detach().to("cpu"))
+
+    def restore(self, ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Puts back rows (and scales) of `ids` exactly as `gather(ids)` returned them."""
+        self.data[ids] = rows
+        if scales is not None:
+            self.scales[ids] = scales
 
     @property
     def nbytes(self) -> int:
@@ -114,19 +134,13 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
     config = load_config(folder, hub=False)
     if not config.stem_layers:
         raise ValueError(f"{folder}: the checkpoint has no STEM layers, so no tables to store")
-    save_id = check_checkpoint_files(folder, config)
-    index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
-    if not os.path.isfile(index_path):
-        raise FileNotFoundError(f"{index_path} is missing: an offload store is built from a saved checkpoint")
-    with open(index_path, encoding="utf-8") as f:
-        weight_map = json.load(f)["weight_map"]
-    tables = {}
-    for file in sorted({file for name, file in weight_map.items() if TABLE_KEY.search(name)}):
-        for name, tensor in map_safetensors(os.path.join(folder, file)).items():
-            if TABLE_KEY.search(name):
-                tables[int(TABLE_KEY.search(name).group(1))] = tensor
-    layers, dtype = config.stem_layers, tables[config.stem_layers[0]].dtype
     path = os.fspath(path) if path is not None else os.path.join(folder, STORE_NAME)
+    if not path or os.path.isdir(path):
+        raise ValueError(f"path: {path!r} is {'empty' if not path else 'a folder'}; give the store's file path")
+    with reading_checkpoint(folder):  # the tables mapped are those of the save the checks read
+        save_id = check_checkpoint_files(folder, config)
+        tables = _map_tables(folder)
+    layers, dtype = config.stem_layers, tables[config.stem_layers[0]].dtype
     if os.path.exists(path):
         _read_store_metadata(path)  # refuses to replace a file that is not an offload store
     shape = (config.vocab_size, len(layers), config.intermediate_size)
@@ -151,6 +165,21 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
     finally:
         os.close(lock)
     return path
+
+
+def _map_tables(folder: str) -> dict[int, torch.Tensor]:
+    """Every table of a saved checkpoint, memory-mapped from its shard, by layer."""
+    index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    if not os.path.isfile(index_path):
+        raise FileNotFoundError(f"{index_path} is missing: an offload store is built from a saved checkpoint")
+    with open(index_path, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    tables = {}
+    for file in sorted({file for name, file in weight_map.items() if TABLE_KEY.search(name)}):
+        for name, tensor in map_safetensors(os.path.join(folder, file)).items():
+            if TABLE_KEY.search(name):
+                tables[int(TABLE_KEY.search(name).group(1))] = tensor
+    return tables
 
 
 def _tensor_offset(path: str, name: str) -> int:
@@ -181,17 +210,59 @@ def _read_store_metadata(path: str) -> dict:
     return metadata
 
 
+def _check_store_save(path: str, stored: str | None, save_id: str | None, allow_unverified: bool) -> None:
+    """Refuses a store written from another save than the model's, and (unless `allow_unverified`) one whose save and
+    the model's cannot be compared."""
+    rewrite = "write the store again with `stem-hf offload-store CHECKPOINT` (write_offload_store)"
+    unverified = "or pass allow_unverified=True if you know the store holds this model's tables"
+    if save_id is not None and save_id.startswith("unsaved-"):
+        problem = (
+            f"the model's tables changed since its last load or save (trained or edited: save id {save_id}), so "
+            f"{path}, written from a saved checkpoint, may not hold them: save the model (save_pretrained), {rewrite} "
+            "from that save"
+        )
+    elif stored is None:
+        problem = (
+            f"{path} records no save id (written from a checkpoint saved before save ids), so nothing shows it holds "
+            f"this model's tables: save the model again (save_pretrained records one) and {rewrite}"
+        )
+    elif save_id is None:
+        problem = (
+            "the model records no save id (it was not loaded from a saved checkpoint, or no save_id was passed), so "
+            f"nothing shows {path} holds its tables: save the model, {rewrite} from that save, and load the model "
+            "from it"
+        )
+    elif stored != save_id:
+        raise ValueError(
+            f"{path} was written from save {stored} of the checkpoint and the model holds save {save_id}: the tables "
+            f"changed since; {rewrite}"
+        )
+    else:
+        return
+    if not allow_unverified:
+        raise ValueError(f"{problem}; {unverified}")
+
+
 class StemMappedTables:
     """The token-major store as a file (`write_offload_store`), memory-mapped: what `StemHostTables` holds in memory,
     read from the page cache instead. `gather(ids)` copies only the rows asked for. The map is advised random access
     (no read-ahead into tokens nobody asked for) and, with `will_need`, each gather first asks the kernel to read the
     rows' byte ranges in (`POSIX_FADV_WILLNEED`): one request per run of consecutive ids, issued together, instead of
     one page fault at a time. Refuses a file that is truncated or does not match `config` (layers, vocabulary, width,
-    dtype) or the save the model was loaded from (`save_id`)."""
+    dtype) or the save the model was loaded from (`save_id`). Checked against a model (`config` or `save_id` given),
+    a store and model whose save ids cannot be compared (either has none, or the model's tables changed since its last
+    load or save) are refused too, unless `allow_unverified=True`: shapes alone do not tell two models' tables apart."""
 
     int8, scales = False, None
 
-    def __init__(self, path: str | os.PathLike, config=None, save_id: str | None = None, will_need: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        config=None,
+        save_id: str | None = None,
+        will_need: bool = True,
+        allow_unverified: bool = False,
+    ):
         self.path = os.fspath(path)
         metadata = _read_store_metadata(self.path)
         self.layers = json.loads(metadata["stem_layers"])
@@ -213,12 +284,8 @@ class StemMappedTables:
                         f"{self.path}: the store has {name} {have} but the model's config says {want}; it was written "
                         "from another checkpoint: write it again with `stem-hf offload-store CHECKPOINT`"
                     )
-        stored = metadata.get(SAVE_ID_KEY)
-        if save_id is not None and stored is not None and stored != save_id:
-            raise ValueError(
-                f"{self.path} was written from save {stored} of the checkpoint and the model holds save {save_id}: the "
-                "tables changed since; write the store again with `stem-hf offload-store CHECKPOINT`"
-            )
+        if config is not None or save_id is not None:
+            _check_store_save(self.path, metadata.get(SAVE_ID_KEY), save_id, allow_unverified)
         self.slot = {layer: i for i, layer in enumerate(self.layers)}
         self.offset = _tensor_offset(self.path, STORE_TENSOR)  # where row 0 begins in the file
         self.will_need = will_need and hasattr(os, "posix_fadvise")
@@ -291,6 +358,13 @@ class StemRowCache:
         self.last[slots[hit]] = self.clock
         return slots
 
+    def drop(self, ids: torch.Tensor) -> None:
+        """Forgets the rows of `ids` (their store rows changed): their slots become empty, the first to be reused."""
+        slots = self.slot_of[ids]
+        slots = slots[slots >= 0]
+        self.token[slots], self.uses[slots], self.last[slots] = -1, 0, 0
+        self.slot_of[ids] = -1
+
     def insert(self, ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None, keep: torch.Tensor) -> None:
         """Caches `rows` of `ids` (device tensors), evicting by (uses, last use) but never the slots in `keep`."""
         if self.capacity == 0 or len(ids) == 0:
@@ -337,7 +411,11 @@ class StemOffloadEngine:
     kept on the device (0: none). `int8`: store tables as int8 with per-row scales. `dtype`: the store dtype
     (default: the tables'). `free_tables`: once the store is built, drop the model's own tables (host memory is then
     the store's only). `store`: the path of a mapped store (`write_offload_store`) to gather from instead of building
-    one in memory: for tables larger than memory (checked against the model's config and save)."""
+    one in memory: for tables larger than memory (checked against the model's config and save; `allow_unverified`
+    accepts a store whose save cannot be compared with the model's, see `StemMappedTables`).
+
+    Attached, the engine is the model's row source (`StemModel.row_source`), and `persist_edit` writes edits into the
+    rows it serves through `read_rows`/`write_rows`/`kept_rows` (a store built in memory only: a mapped one refuses)."""
 
     def __init__(
         self,
@@ -348,6 +426,7 @@ class StemOffloadEngine:
         device: str | torch.device | None = None,
         free_tables: bool = False,
         store: str | os.PathLike | None = None,
+        allow_unverified: bool = False,
     ):
         base = model.base_model
         self.model, self.tables_module = model, base.stem_tables
@@ -358,8 +437,11 @@ class StemOffloadEngine:
                     "store: a mapped store serves the tables' own rows from its file; int8, dtype and free_tables "
                     "are options of a store built in memory"
                 )
-            self.store = StemMappedTables(store, model.config, getattr(model, "stem_save_id", None))
+            save_id = getattr(model, "stem_save_id", None)
+            self.store = StemMappedTables(store, model.config, save_id, allow_unverified=allow_unverified)
         else:
+            if allow_unverified:
+                raise ValueError("allow_unverified: only a mapped store (store=PATH) is checked against a save")
             tables = {int(k): m.weight for k, m in self.tables_module.items()}
             self.store = StemHostTables(tables, dtype=dtype, int8=int8)
         self.cuda = self.device.type == "cuda"
@@ -388,7 +470,7 @@ class StemOffloadEngine:
                     f"attach: the model's rows already come from {base.row_source!r}, which the engine would bypass; "
                     "attach the engine first, then enter editors"
                 )
-            base.set_row_source(self.rows)
+            base.set_row_source(self)
             self._attached = True
         return self
 
@@ -396,7 +478,7 @@ class StemOffloadEngine:
         """Gives the model its own tables back as row source. Tables freed by `free_tables=True` are rebuilt from the
         store first (exactly: an int8 store cannot rebuild them, and refuses), so the model runs and saves as before."""
         base = self.model.base_model
-        if self._attached and base.row_source != self.rows:
+        if self._attached and base.row_source is not self:
             raise RuntimeError(
                 f"detach: {base.row_source!r}, set after this engine, still serves the model's rows; leave it first"
             )
@@ -420,6 +502,58 @@ class StemOffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.detach()
+
+    def __call__(self, stem_input_ids: torch.Tensor) -> "StemOffloadedRows":
+        """The model's row source while attached (`StemRowSource`): `rows`."""
+        return self.rows(stem_input_ids)
+
+    def check_writable(self) -> None:
+        """Raises unless `write_rows` can change what the engine serves: a mapped store's file is never written."""
+        if isinstance(self.store, StemMappedTables):
+            raise ValueError(
+                f"StemOffloadEngine serves the memory-mapped offload store {self.store.path}, which is never altered, "
+                "so a persisted edit would not reach what it serves: detach the engine (engine.detach()) before "
+                "editing the tables; then save the model and write its store again with `stem-hf offload-store "
+                "CHECKPOINT`"
+            )
+
+    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """STEM layer `layer`'s rows of `ids` as the engine serves them, on the host in float32."""
+        return self.store.read(layer, self._host_ids(ids, "read_rows: ids"))
+
+    @torch.no_grad()
+    def write_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Replaces STEM layer `layer`'s rows of `ids` in the store the engine serves (cast or quantized as the store
+        was built), so later forwards serve them: those ids leave the row cache, and a planned gather is dropped."""
+        self.check_writable()
+        ids = self._host_ids(ids, "write_rows: ids")
+        self._drop_plan()  # waits for a background gather, which reads the store, and forgets its stale rows
+        self.store.write(layer, ids, rows)
+        if self.cache is not None:
+            self.cache.drop(ids)
+
+    @contextmanager
+    def kept_rows(self, ids: torch.Tensor) -> Iterator[None]:
+        """Puts the rows of `ids` (every layer, and their int8 scales) back exactly as they were on leaving the block:
+        `editing.persisted` undoes its edit with it."""
+        self.check_writable()
+        ids = self._host_ids(ids, "kept_rows: ids")
+        rows, scales = self.store.gather(ids)  # copies
+        try:
+            yield
+        finally:
+            self._drop_plan()
+            self.store.restore(ids, rows, scales)
+            if self.cache is not None:
+                self.cache.drop(ids)
+
+    def _host_ids(self, ids, name: str) -> torch.Tensor:
+        """`ids` as host int64, after checking they are integer token ids of the store's vocabulary."""
+        ids = torch.as_tensor(ids)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"{name} has dtype {ids.dtype}: token ids must be integers (pass ids.long())")
+        check_token_ids(ids, self.store.vocab_size, name)
+        return ids.reshape(-1).to("cpu", torch.long)
 
     @property
     def stats(self) -> dict:
@@ -475,7 +609,7 @@ class StemOffloadEngine:
         forwards that follow (prefill chunks, then decode) find them there. Returns how many tokens were fetched."""
         if self.cache is None:
             raise ValueError("prefetch: the engine has no row cache (cache_tokens=0) to prefetch into")
-        unique = torch.unique(ids.reshape(-1).cpu())[: self.cache.capacity]
+        unique = torch.unique(self._host_ids(ids, "prefetch: ids"))[: self.cache.capacity]
         slots = self.cache.slot_of[unique]
         missing = slots < 0
         if not missing.any():
@@ -495,8 +629,9 @@ class StemOffloadEngine:
             raise ValueError(f"plan: chunk_size {chunk_size} must be at least 1")
         if ids.numel() == 0:
             raise ValueError("plan: the prompt is empty")
+        self._host_ids(ids, "plan: ids")  # here, not as a failed gather on the worker thread
         self._drop_plan()
-        ids = ids.detach().cpu()
+        ids = ids.detach().cpu().long()  # as the forwards' ids are, which each chunk is compared with
         self._plan = deque(ids[:, start : start + chunk_size] for start in range(0, ids.shape[1], chunk_size))
         self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="stem-rows")
         self._gather_ahead()

@@ -54,6 +54,11 @@ _DTYPE_BITS = {
     "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
     "F6_E2M3": 6, "F6_E3M2": 6,
 }  # fmt: skip
+# A table with no rows: what `StemOffloadEngine(free_tables=True)` leaves in the model while it serves the rows.
+FREED_TABLES = (
+    "the model's tables were freed by StemOffloadEngine(free_tables=True), which serves their rows only while "
+    "attached; attach the engine, or detach it (engine.detach() rebuilds the tables) first"
+)
 _VARIANT = re.compile(r"[A-Za-z0-9_-]+")
 _STAGING_PREFIX = ".stem-saving-"
 # A staging folder nobody holds is a killed save's once it is this old; younger, it may be one that is just starting.
@@ -920,6 +925,8 @@ class StemTableRows:
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         table = self.tables[str(layer_idx)]
+        if table.weight.shape[0] == 0:
+            raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
         ids = self.stem_input_ids
         table_device = table.weight.device
         if table_device == ids.device or table_device.type == "meta":  # meta: an accelerate hook brings the weight
@@ -1077,10 +1084,15 @@ class StemTables(nn.ModuleDict):
         return super()._apply(lambda t: t.to(device), recurse)
 
     @torch.no_grad()
+    def check_not_freed(self, what: str) -> None:
+        if any(table.weight.shape[0] == 0 for table in self.values()):
+            raise RuntimeError(f"{what}: {FREED_TABLES}")
+
     def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
         """Gives every table `new_num_tokens` rows. Kept rows are copied; new rows are the mean of the old rows
         (`mean_resizing=True`: the table's best guess for a token it knows nothing about) or drawn from the paper's
         xavier-normal init (`mean_resizing=False`)."""
+        self.check_not_freed("resize_token_embeddings")
         for key, old in list(self.items()):
             old_num_tokens, dim = old.weight.shape
             if old_num_tokens == new_num_tokens:
@@ -1214,6 +1226,9 @@ def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
             f"{offloaded[0]} is offloaded to disk (on the meta device) and cannot be saved: load the model with "
             "keep_tables_on_cpu=True (the default) or without a 'disk' entry for the tables in device_map"
         )
+    freed = [name for name, tensor in tables.items() if tensor.shape[0] == 0]
+    if freed:
+        raise ValueError(f"{freed[0]} cannot be saved: {FREED_TABLES}")
     stored = getattr(torch, model.config.table_dtype)
     finer = sorted({str(t.dtype)[6:] for t in tables.values() if t.itemsize > stored.itemsize})
     if finer:
@@ -1304,6 +1319,7 @@ def write_card(model, folder: str | os.PathLike, repo_id: str | None = None, tag
 
 __all__ = [
     "CONFIG_NAME",
+    "FREED_TABLES",
     "PROVENANCE_FILES",
     "REPORT_FILE",
     "RESULTS_FILE",

@@ -1,12 +1,14 @@
 """Knowledge editing by table rows: the strategies' ids and rows, reversible edits, persisted edits through save and
 reload, and clear errors."""
 
+import contextlib
+
 import pytest
 import torch
 
 from stem_hf import StemForCausalLM
 from stem_hf.cli import main
-from stem_hf.editing import StemEdit, StemEditor, edited, edited_ids, find_occurrences, persist_edit
+from stem_hf.editing import StemEdit, StemEditor, edited, edited_ids, find_occurrences, persist_edit, persisted
 from tests.conftest import byte_tokenizer, sensitive_model, tiny_model
 from tests.test_storage import _mapped_files
 
@@ -207,3 +209,116 @@ def test_mean_edits_refuse_tables_the_offload_engine_freed():
     with StemOffloadEngine(model, free_tables=True), pytest.raises(ValueError, match="freed"):
         with StemEditor(model, [StemEdit(source=(6,), target=(9, 10), strategy="mean")]):
             pass
+
+
+# Fault cases: persisted edits under an offload engine, which serves its own copy of the tables ------------------------
+
+ENGINES = [{}, {"cache_tokens": 8}, {"int8": True, "cache_tokens": 8}, {"free_tables": True, "cache_tokens": 8}]
+EDITS = [StemEdit((5, 6), (30, 31)), StemEdit((5,), (30, 31), "mean")]
+
+
+def _reference(edit: StemEdit | None, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of IDS and of its first row's first 4 tokens from a plain model (or, int8, an engine built on it) with
+    the edit persisted: what an engine must serve after the same edit."""
+    from stem_hf.offload import offloaded
+
+    plain = sensitive_model(table_dtype="float32")
+    if edit is not None:
+        persist_edit(plain, edit)
+    with torch.no_grad(), offloaded(plain, int8=True) if int8 else contextlib.nullcontext():
+        return plain(IDS).logits, plain(IDS[:1, :4]).logits
+
+
+@pytest.mark.parametrize("edit", EDITS, ids=["pad", "mean"])
+@pytest.mark.parametrize("kwargs", ENGINES, ids=["plain", "cache", "int8", "freed"])
+def test_a_persisted_edit_reaches_the_rows_an_attached_engine_serves(kwargs, edit):
+    from stem_hf.offload import StemOffloadEngine
+
+    model = sensitive_model(table_dtype="float32")
+    expected, expected_chunk = _reference(edit, kwargs.get("int8", False))
+    with torch.no_grad(), StemOffloadEngine(model, **kwargs) as engine:
+        before = model(IDS).logits  # with a cache: the source's rows are cached now
+        if engine.cache is None:
+            engine.plan(IDS[:1], chunk_size=4)  # the first chunk's rows are gathered ahead, before the edit
+        persist_edit(model, edit)
+        chunk = model(IDS[:1, :4]).logits
+        after = model(IDS).logits
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+    torch.testing.assert_close(chunk, expected_chunk, rtol=0, atol=0)
+    if not kwargs.get("int8"):  # detached: the model's own tables, edited too (freed ones rebuilt from the copy)
+        with torch.no_grad():
+            torch.testing.assert_close(model(IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_a_persisted_edit_reaches_an_engine_under_an_editor():
+    from stem_hf.offload import StemOffloadEngine
+
+    editor_edit, edit = StemEdit((7,), (40,)), StemEdit((5, 6), (30, 31))
+    plain = sensitive_model(table_dtype="float32")
+    persist_edit(plain, edit)
+    with torch.no_grad(), StemEditor(plain, [editor_edit]):
+        expected = plain(IDS).logits
+    model = sensitive_model(table_dtype="float32")
+    with torch.no_grad(), StemOffloadEngine(model, free_tables=True), StemEditor(model, [editor_edit]):
+        persist_edit(model, edit)
+        torch.testing.assert_close(model(IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_persisted_undoes_its_edit_in_the_engine_too_exactly():
+    from stem_hf.offload import StemOffloadEngine
+
+    edit = EDITS[0]
+    for kwargs in ENGINES:
+        model = sensitive_model(table_dtype="float32")
+        expected, _ = _reference(edit, kwargs.get("int8", False))
+        with torch.no_grad(), StemOffloadEngine(model, **kwargs):
+            before = model(IDS).logits
+            with persisted(model, edit):
+                during = model(IDS).logits
+            after = model(IDS).logits
+        torch.testing.assert_close(during, expected, rtol=0, atol=0, msg=f"{kwargs}")
+        torch.testing.assert_close(after, before, rtol=0, atol=0, msg=f"{kwargs}")
+
+
+def test_persisted_edits_refuse_an_engine_on_a_mapped_store_before_changing_anything(tmp_path):
+    from stem_hf.offload import STORE_NAME, StemOffloadEngine, write_offload_store
+
+    sensitive_model(table_dtype="bfloat16").save_pretrained(tmp_path / "ckpt")
+    write_offload_store(tmp_path / "ckpt")
+    model = StemForCausalLM.from_pretrained(tmp_path / "ckpt")
+    table, save_id = model.model.stem_tables["1"].weight.clone(), model.stem_save_id
+    message = r"memory-mapped offload store .*stem-offload-store.safetensors, which is never altered.*detach the engine"
+    with StemOffloadEngine(model, store=tmp_path / "ckpt" / STORE_NAME):
+        with pytest.raises(ValueError, match=message):
+            persist_edit(model, EDITS[0])
+        with pytest.raises(ValueError, match=message), persisted(model, EDITS[0]):
+            pass
+    assert torch.equal(model.model.stem_tables["1"].weight, table) and model.stem_save_id == save_id
+
+
+def test_a_persisted_edit_names_tables_freed_by_an_engine_no_longer_attached():
+    from stem_hf.offload import StemOffloadEngine
+
+    model = sensitive_model()
+    engine = StemOffloadEngine(model, free_tables=True)  # built, not attached: nothing serves the rows
+    with pytest.raises(ValueError, match=r"freed by StemOffloadEngine\(free_tables=True\).*attach that engine"):
+        persist_edit(model, EDITS[0])
+    engine.detach()  # rebuilds the tables: the edit works again
+    persist_edit(model, EDITS[0])
+
+
+def test_a_mean_edit_into_an_int8_copy_of_freed_tables_is_close_to_the_exact_one():
+    """With the tables freed, the int8 copy is the only one: a mean is taken over its dequantized rows, so it is close
+    to, not exactly, the mean an int8 engine built from the edited tables holds."""
+    from stem_hf.offload import StemOffloadEngine
+
+    model = sensitive_model(table_dtype="float32")
+    expected, _ = _reference(EDITS[1], int8=True)
+    StemOffloadEngine(model, int8=True, free_tables=True, cache_tokens=8).attach()  # never detached: it refuses
+    with torch.no_grad():
+        before = model(IDS).logits
+        persist_edit(model, EDITS[1])
+        after = model(IDS).logits
+    assert not torch.allclose(after, before, atol=0.05)
+    torch.testing.assert_close(after, expected, rtol=0, atol=0.01 * expected.abs().max().item())

@@ -245,3 +245,98 @@ def test_a_failed_background_gather_is_reported_and_the_forward_fetches_its_own_
             with pytest.raises(ValueError, match="plan: the prompt is empty"):
                 engine.plan(ids[:, :0], chunk_size=6)
     assert torch.equal(got, expected)
+
+
+# Fault cases: stores whose save cannot be compared with the model's, and token ids outside the vocabulary -------------
+
+
+def _saved_model(folder, std: float = 1.0) -> StemForCausalLM:
+    sensitive_model(std, table_dtype="bfloat16").save_pretrained(folder)
+    return StemForCausalLM.from_pretrained(folder).eval()
+
+
+def _without_save_id(path: str, out) -> str:
+    """A copy of the store at `path` whose metadata records no save id, as one written before save ids would."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from stem_hf.storage_stem import SAVE_ID_KEY
+
+    with safe_open(path, "pt") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != SAVE_ID_KEY}
+    save_file(load_file(path), out, metadata)
+    return str(out)
+
+
+def test_a_store_without_a_save_id_holding_another_models_tables_is_refused_unless_allowed(tmp_path):
+    from stem_hf.offload import write_offload_store
+
+    other = _saved_model(tmp_path / "other", std=3.0)
+    store = _without_save_id(write_offload_store(tmp_path / "other"), tmp_path / "old-store.safetensors")
+    model = _saved_model(tmp_path / "ckpt")  # the same config, other tables: only a save id tells them apart
+    ids = torch.tensor([[1, 5, 9, 33, 70, 5, 2]])
+    with pytest.raises(ValueError, match=r"records no save id.*stem-hf offload-store CHECKPOINT.*allow_unverified"):
+        StemOffloadEngine(model, store=store)
+    with torch.no_grad(), StemOffloadEngine(model, store=store, allow_unverified=True):  # opted in: served as is
+        served = model(ids).logits
+        expected = other(ids).logits
+    torch.testing.assert_close(served, expected, rtol=0, atol=0)
+
+
+def test_a_model_without_a_save_or_changed_since_is_refused_a_store_unless_allowed(tmp_path):
+    from stem_hf.editing import StemEdit, persist_edit
+    from stem_hf.offload import StemMappedTables, write_offload_store
+
+    model = _saved_model(tmp_path / "ckpt")
+    store = write_offload_store(tmp_path / "ckpt")
+    fresh = sensitive_model(table_dtype="bfloat16")  # the same tables, never saved: nothing vouches for them
+    with pytest.raises(ValueError, match=r"the model records no save id.*allow_unverified=True"):
+        StemOffloadEngine(fresh, store=store)
+    with pytest.raises(ValueError, match="the model records no save id"):
+        StemMappedTables(store, fresh.config)  # checked against a model, whose save id was not passed
+    StemOffloadEngine(fresh, store=store, allow_unverified=True)
+    persist_edit(model, StemEdit((5,), (9,)))  # its tables now differ from the checkpoint the store was written from
+    with pytest.raises(ValueError, match=r"tables changed since its last load or save \(trained or edited"):
+        StemOffloadEngine(model, store=store)
+    with pytest.raises(ValueError, match="allow_unverified: only a mapped store"):
+        StemOffloadEngine(model, allow_unverified=True)
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9])
+def test_prefetch_and_plan_refuse_ids_outside_the_vocabulary_as_the_forward_does(bad):
+    model = sensitive_model()
+    ids = torch.tensor([[5, bad, 7]])
+    with pytest.raises(ValueError, match=rf"input_ids holds token id {bad}, outside \[0, 96\)"):
+        model(ids)
+    cached = StemOffloadEngine(model, cache_tokens=8)
+    with pytest.raises(ValueError, match=rf"prefetch: ids holds token id {bad}, outside \[0, 96\): vocab_size is 96"):
+        cached.prefetch(ids)
+    assert not cached.cache.cached() and cached.stats["fetched_tokens"] == 0  # refused before any fetch
+    with pytest.raises(ValueError, match=rf"plan: ids holds token id {bad}, outside \[0, 96\)"):
+        StemOffloadEngine(model).plan(ids, chunk_size=2)
+
+
+def test_prefetch_and_plan_refuse_float_ids():
+    model = sensitive_model()
+    with pytest.raises(ValueError, match=r"prefetch: ids has dtype torch.float32: token ids must be integers"):
+        StemOffloadEngine(model, cache_tokens=8).prefetch(torch.tensor([3.0, 4.0]))
+    with pytest.raises(ValueError, match=r"plan: ids has dtype torch.float32"):
+        StemOffloadEngine(model).plan(torch.tensor([[3.0, 4.0]]), chunk_size=2)
+    engine = StemOffloadEngine(model, cache_tokens=8)
+    assert engine.prefetch(torch.tensor([3, 4], dtype=torch.int32)) == 2  # any integer dtype is fine
+
+
+def test_tables_freed_by_an_int8_engine_are_named_by_a_forward_a_save_and_a_resize(tmp_path):
+    model = sensitive_model(table_dtype="bfloat16")
+    engine = StemOffloadEngine(model, int8=True, free_tables=True)  # never attached, and it cannot rebuild them
+    with pytest.raises(ValueError, match="cannot be rebuilt exactly"):
+        engine.detach()
+    freed = r"tables were freed by StemOffloadEngine\(free_tables=True\).*attach the engine, or detach it"
+    with pytest.raises(RuntimeError, match=f"STEM table 1: the model's {freed}"):
+        model(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(ValueError, match=f"model.stem_tables.1.weight cannot be saved: the model's {freed}"):
+        model.save_pretrained(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(RuntimeError, match=f"resize_token_embeddings: the model's {freed}"):
+        model.resize_token_embeddings(128)
+    assert model.model.embed_tokens.num_embeddings == 96

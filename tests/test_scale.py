@@ -277,6 +277,10 @@ def test_a_truncated_mismatched_or_stale_store_is_refused(saved, tmp_path):
     with pytest.raises(ValueError, match="not a STEM offload store"):
         write_offload_store(folder, foreign)  # and it is left as it was
     assert "x" in read_safetensors_header(str(foreign))
+    for where, says in (("", "is empty"), (folder, "is a folder")):  # not ./.partial, nor a folder's name
+        with pytest.raises(ValueError, match=f"path: .* {says}; give the store's file path"):
+            write_offload_store(folder, where)
+    assert not Path(".partial").exists() and not (folder.parent / f"{folder.name}.partial").exists()
 
 
 def test_a_host_store_larger_than_memory_is_refused_with_the_way_out(monkeypatch):
