@@ -82,16 +82,27 @@ def available_memory() -> int | None:
     return min(rooms) if rooms else None
 
 
+def format_bytes(n: float) -> str:
+    """`n` bytes for a message, in the decimal unit that fits: "512 B", "25.0 MB", "1.2 TB"."""
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB", "GB"):
+        n /= 1000
+        if abs(n) < 999.95:  # what rounds to 1000.0 shows as 1.0 of the next unit
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} TB"
+
+
 def check_disk_room(path: str | os.PathLike, nbytes: int, what: str, detail: str = "") -> None:
-    """Raises ("PATH: `what` N GB`detail` and ... GB free") where the filesystem `path` will be written on (that of
-    its nearest existing folder) has less than `nbytes` free: files that fill as rows come would otherwise run out of
-    room only hours in."""
+    """Raises ("PATH: `what` 25.0 MB`detail` and ... has 10.0 MB free") where the filesystem `path` will be written on
+    (that of its nearest existing folder) has less than `nbytes` free: files that fill as rows come would otherwise run
+    out of room only hours in."""
     folder = os.path.abspath(path)
     while not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free
     if free < nbytes:
-        raise OSError(f"{path}: {what} {nbytes / 1e9:.1f} GB{detail} and {folder} has {free / 1e9:.1f} GB free")
+        raise OSError(f"{path}: {what} {format_bytes(nbytes)}{detail} and {folder} has {format_bytes(free)} free")
 
 
 def _cgroup_paths() -> dict[str, str]:
@@ -177,6 +188,11 @@ def check_local(path_or_id: str, hub: bool = True) -> bool:
 def read_model_type(path_or_id: str, hub: bool = True) -> str | None:
     """The `model_type` of a checkpoint folder or Hub id, from its config.json parsed as plain JSON: no transformers
     class and none of the checkpoint's own code (`auto_map`) runs, so a command can refuse it before loading it."""
+    return read_config_json(path_or_id, hub).get("model_type")
+
+
+def read_config_json(path_or_id: str, hub: bool = True) -> dict:
+    """The config.json of a checkpoint folder or Hub id, parsed as plain JSON (see `read_model_type`)."""
     if check_local(path_or_id, hub):
         if not os.path.isdir(path_or_id):
             raise NotADirectoryError(f"{path_or_id} is a file, not a checkpoint folder")
@@ -200,7 +216,7 @@ def read_model_type(path_or_id: str, hub: bool = True) -> str | None:
         raise ValueError(f"{path}: not a readable {CONFIG_NAME} ({error})") from error
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not a {CONFIG_NAME} (a JSON object)")
-    return config.get("model_type")
+    return config
 
 
 def check_stem(path_or_id: str, hub: bool = True) -> None:

@@ -6,6 +6,7 @@ import os
 import tempfile
 
 from .assets import read_texts
+from .cli_args import eval_limit, file_path, non_negative_int, positive_float, positive_int, utf8_text
 from .conversion.cli import add_parsers as add_conversion_parsers
 
 
@@ -15,14 +16,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="parameter counts and FLOPs per token of a STEM checkpoint vs dense")
     info.add_argument("checkpoint", help="a STEM checkpoint folder or Hub id (only its config is read)")
-    info.add_argument("--context-length", type=int, default=2048, help="positions each token attends to")
+    info.add_argument("--context-length", type=positive_int, default=2048, help="positions each token attends to")
 
     add_conversion_parsers(commands)
     store = commands.add_parser(
         "offload-store", help="write a checkpoint's tables token-major to one file, for StemOffloadEngine(store=...)"
     )
     store.add_argument("checkpoint", help="a local STEM checkpoint folder")
-    store.add_argument("--out", help="the store's path (default: CHECKPOINT/stem-offload-store.safetensors)")
+    store.add_argument(
+        "--out", type=file_path, help="the store's path (default: CHECKPOINT/stem-offload-store.safetensors)"
+    )
+
+    verify = commands.add_parser(
+        "verify", help="check a checkpoint's files as a load does and scan every weight for NaN and inf"
+    )
+    verify.add_argument("checkpoint", help="a local STEM checkpoint folder")
 
     _add_eval_parser(commands)
     _add_hub_parsers(commands)
@@ -48,9 +56,9 @@ def _add_eval_parser(commands) -> None:
     evaluate.add_argument(
         "--tables-on-device", action="store_true", help="move STEM tables to --device too (default: host memory)"
     )
-    evaluate.add_argument("--batch-size", type=int, default=1)
-    evaluate.add_argument("--limit", type=float, help="examples per task (a fraction if below 1)")
-    evaluate.add_argument("--num-fewshot", type=int)
+    evaluate.add_argument("--batch-size", type=positive_int, default=1)
+    evaluate.add_argument("--limit", type=eval_limit, help="examples per task (a fraction of them if below 1)")
+    evaluate.add_argument("--num-fewshot", type=non_negative_int)
     evaluate.add_argument(
         "--output",
         help="results JSON, merged task by task (default: CHECKPOINT/lm_eval_results.json for a folder, "
@@ -62,7 +70,7 @@ def _add_hub_parsers(commands) -> None:
     """Model cards and the Hub: `stem-hf card`, `stem-hf push`, `stem-hf refresh-code`."""
     card = commands.add_parser("card", help="write or refresh the model card (README.md) of a STEM checkpoint folder")
     card.add_argument("checkpoint")
-    card.add_argument("--repo-id", help="the Hub id to show in the usage snippet")
+    card.add_argument("--repo-id", type=utf8_text, help="the Hub id to show in the usage snippet")
     card.add_argument("--force", action="store_true", help="replace a README.md that stem-hf did not write")
 
     push = commands.add_parser("push", help="upload a STEM checkpoint folder (weights, tables, code, tokenizer, card)")
@@ -70,7 +78,7 @@ def _add_hub_parsers(commands) -> None:
     push.add_argument("repo_id")
     push.add_argument("--private", action="store_true")
     push.add_argument("--revision", help="branch to push to (created if missing)")
-    push.add_argument("--commit-message")
+    push.add_argument("--commit-message", type=utf8_text)
 
     refresh = commands.add_parser(
         "refresh-code", help="replace the model code a STEM checkpoint carries (folder or Hub repo) with this stem-hf's"
@@ -91,30 +99,32 @@ def _add_pretrain_parser(commands) -> None:
     )
     pretrain.add_argument("corpus", nargs="+", help="text files")
     pretrain.add_argument("--out", default="runs/pretrain")
-    pretrain.add_argument("--vocab-size", type=int, default=8192, help="of the BPE tokenizer trained on the corpus")
-    pretrain.add_argument("--hidden-size", type=int, default=128)
-    pretrain.add_argument("--intermediate-size", type=int, default=512, help="the dense model's")
-    pretrain.add_argument("--layers", type=int, default=6)
-    pretrain.add_argument("--heads", type=int, default=4)
-    pretrain.add_argument("--kv-heads", type=int, default=2)
-    pretrain.add_argument("--context", type=int, default=128)
+    pretrain.add_argument(
+        "--vocab-size", type=positive_int, default=8192, help="of the BPE tokenizer trained on the corpus"
+    )
+    pretrain.add_argument("--hidden-size", type=positive_int, default=128)
+    pretrain.add_argument("--intermediate-size", type=positive_int, default=512, help="the dense model's")
+    pretrain.add_argument("--layers", type=positive_int, default=6)
+    pretrain.add_argument("--heads", type=positive_int, default=4)
+    pretrain.add_argument("--kv-heads", type=positive_int, default=2)
+    pretrain.add_argument("--context", type=positive_int, default=128)
     pretrain.add_argument("--stem-layers", default="1/2")
-    pretrain.add_argument("--batch-size", type=int, default=16)
-    pretrain.add_argument("--steps", type=int, default=400)
-    pretrain.add_argument("--lr", type=float, default=3e-3)
-    pretrain.add_argument("--table-lr", type=float, help="default: --lr")
-    pretrain.add_argument("--eval-every", type=int, default=50)
+    pretrain.add_argument("--batch-size", type=positive_int, default=16)
+    pretrain.add_argument("--steps", type=positive_int, default=400)
+    pretrain.add_argument("--lr", type=positive_float, default=3e-3)
+    pretrain.add_argument("--table-lr", type=positive_float, help="default: --lr")
+    pretrain.add_argument("--eval-every", type=positive_int, default=50)
 
 
 def _add_edit_parser(commands) -> None:
     """Knowledge editing by rows: `stem-hf edit`."""
     edit = commands.add_parser("edit", help="answer a prompt before and after a knowledge edit by table rows")
     edit.add_argument("checkpoint")
-    edit.add_argument("--source", required=True, help='text whose lookups change, e.g. " France"')
-    edit.add_argument("--target", required=True, help='text whose rows they take, e.g. " Germany"')
-    edit.add_argument("--prompt", required=True)
+    edit.add_argument("--source", type=utf8_text, required=True, help='text whose lookups change, e.g. " France"')
+    edit.add_argument("--target", type=utf8_text, required=True, help='text whose rows they take, e.g. " Germany"')
+    edit.add_argument("--prompt", type=utf8_text, required=True)
     edit.add_argument("--strategy", default="pad", choices=["pad", "subset", "mean"])
-    edit.add_argument("-n", "--max-new-tokens", type=int, default=16)
+    edit.add_argument("-n", "--max-new-tokens", type=positive_int, default=16)
 
 
 def _add_analyze_parser(commands) -> None:
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
 
         check_stem(args.checkpoint, hub=False)  # a STEM folder's config, read as JSON, before anything else
         print(f"wrote {write_offload_store(args.checkpoint, args.out)}")
+    elif args.command == "verify":
+        run_verify(args)
     elif args.command == "eval":
         run_eval(args)
     elif args.command == "card":
@@ -158,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
 
         check_stem(args.checkpoint, hub=False)  # a local STEM folder, even where a hand-written card is kept
         path = write_model_card(args.checkpoint, repo_id=args.repo_id, overwrite=args.force)
-        print(f"wrote {path}" if path else f"kept the hand-written {args.checkpoint}/README.md (--force replaces it)")
+        shown = _shown(path or args.checkpoint)  # a folder's name need not be UTF-8, nor stdout forgiving
+        print(f"wrote {shown}" if path else f"kept the hand-written {shown}/README.md (--force replaces it)")
     elif args.command == "pretrain":
         from .pretrain import PretrainSettings, pretrain
 
@@ -198,6 +211,24 @@ def main(argv: list[str] | None = None) -> None:
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
     elif args.command == "refresh-code":
         run_refresh(args)
+
+
+def _shown(path: str | os.PathLike) -> str:
+    """`path` as text any stdout prints: bytes that are not UTF-8 show as U+FFFD."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
+def run_verify(args: argparse.Namespace) -> dict:
+    """`stem-hf verify`: prints the report as JSON; exits 1 if any weight holds NaN or inf."""
+    from .accounting import check_stem
+    from .verify import verify_checkpoint
+
+    check_stem(args.checkpoint, hub=False)
+    report = verify_checkpoint(args.checkpoint)
+    print(json.dumps(report, indent=2))
+    if report["non_finite"]:
+        raise SystemExit(f"{args.checkpoint}: {len(report['non_finite'])} tensor(s) hold NaN or inf (listed above)")
+    return report
 
 
 def run_refresh(args: argparse.Namespace) -> None:
@@ -258,8 +289,12 @@ def _converted_from(checkpoint: str) -> str | None:
 
 def run_analyze(args: argparse.Namespace) -> dict:
     from .analysis import run_analysis
+    from .conversion.sources import check_source_type, load_source
 
     tokenizer = _load_tokenizer(args.checkpoint)
+    source = args.dense or _converted_from(args.checkpoint)
+    if source:
+        check_source_type(source)  # from its config.json, before any model loads; its own code never runs
     model = _load_model(args.checkpoint)
     if args.text:
         texts = read_texts(args.text)
@@ -267,11 +302,7 @@ def run_analyze(args: argparse.Namespace) -> dict:
         from .assets import corpora
 
         texts = corpora()["heldout"]
-    dense, source = None, args.dense or _converted_from(args.checkpoint)
-    if source:
-        from .conversion.sources import load_source
-
-        dense = load_source(source)[0].eval()
+    dense = load_source(source)[0].eval() if source else None
     result = run_analysis(model, tokenizer, texts, args.out, dense)
     summary = {
         "p95_abs_cos_tables": {k: v["p95_abs_cos"] for k, v in result["table_spread"].items()},
@@ -291,8 +322,6 @@ def run_edit(args: argparse.Namespace) -> tuple[str, str]:
     # Everything the text can get wrong is checked before the model loads.
     if not args.prompt:
         raise ValueError("--prompt: empty; the model needs some text to continue")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} must be at least 1")
     tokenizer = _load_tokenizer(args.checkpoint)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
@@ -356,14 +385,13 @@ def run_eval(args: argparse.Namespace) -> dict:
     local = check_local(args.checkpoint) and os.path.isdir(args.checkpoint)
     output = args.output or (os.path.join(args.checkpoint, RESULTS_FILE) if local else RESULTS_FILE)
     check_writable(output)
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     model, tokenizer = load_for_eval(args.checkpoint, args.device, args.dtype, tables_on_cpu=not args.tables_on_device)
     results = evaluate(
         model,
         tasks,
         tokenizer,
         batch_size=args.batch_size,
-        limit=limit,
+        limit=args.limit,  # a count or a fraction below 1, as `eval_limit` parsed it
         num_fewshot=args.num_fewshot,
         include_path=args.include_path,
     )

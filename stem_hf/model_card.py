@@ -9,6 +9,7 @@ marker (written or edited by a person who removed it) is never overwritten.
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -82,6 +83,12 @@ def _examples(samples: dict | None) -> str:
         return "?"
     effective, original = samples.get("effective"), samples.get("original")
     return f"{effective}" if effective == original else f"{effective} of {original} (limited)"
+
+
+def _utf8(text: str) -> str:
+    """`text` with each surrogate escape (a byte that is not UTF-8, as in a folder's name) as U+FFFD: the card is UTF-8
+    text, and one bad byte in a path it shows should not stop it."""
+    return re.sub("[\ud800-\udfff]", "\ufffd", text)
 
 
 def _params(n: int) -> str:
@@ -273,11 +280,12 @@ def render_model_card(
     lm_eval_json = _provenance(folder, RESULTS_FILE) or {}
     lm_eval = headline_metrics(lm_eval_json)
     converted = report is not None
-    report = report or {}
-    name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
+    # Paths the report records (source, text files) are shown as text, as the folder's name is.
+    report = {key: _utf8(value) if isinstance(value, str) else value for key, value in (report or {}).items()}
+    name = _utf8(repo_id.split("/")[-1] if repo_id else folder.resolve().name)
     facts = {
         "name": name,
-        "repo_id": repo_id or str(folder),
+        "repo_id": _utf8(repo_id or str(folder)),
         **_model_facts(config),
         "files": _files(folder),
         "converted": converted,

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,168 @@ def test_the_conversion_script_takes_the_convert_command_options(capsys):
         script["main"](["--help"])
     assert exit_info.value.code == 0
     assert "--stem-layers" in capsys.readouterr().out
+
+
+# CLI fault cases. Bad option values are refused while the command line is parsed (or, for what only the files
+# tell, before any model loads), each with a message that names the option and the problem.
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> str:
+    """A tiny STEM checkpoint with a byte tokenizer: every command could run on it, so an error is the option's."""
+    from tests.conftest import BYTE_VOCAB, byte_tokenizer
+
+    folder = tmp_path / "stem"
+    tiny_model(vocab_size=BYTE_VOCAB, max_position_embeddings=128).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def _parse_error(argv: list[str], capsys) -> str:
+    """What argparse printed on refusing `argv`: it exits with status 2 before the command runs."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, option, value, minimum",
+    [
+        ("info", "--context-length", "-5", 1),
+        ("info", "--context-length", "0", 1),
+        ("eval", "--batch-size", "0", 1),
+        ("eval", "--num-fewshot", "-1", 0),
+        ("edit", "--max-new-tokens", "0", 1),
+        ("pretrain", "--steps", "0", 1),
+        ("pretrain", "--hidden-size", "-8", 1),
+        ("convert", "--calibration-tokens", "0", 1),
+        ("convert", "--gate-epochs", "-1", 0),
+        ("convert", "--heal-tokens", "-2", 0),
+        ("demo", "--heal-tokens", "-2", 0),
+        ("lab", "--people", "1", 2),
+        ("lab", "--steps", "0", 1),
+        ("lab", "--capacity", "1", 2),
+    ],
+)
+def test_whole_number_options_are_checked_when_parsed(tmp_path, checkpoint, capsys, command, option, value, minimum):
+    argv = {
+        "info": ["info", checkpoint],
+        "eval": ["eval", checkpoint, "--tasks", "stem_facts", "--output", str(tmp_path / "results.json")],
+        "edit": ["edit", checkpoint, "--source", " a", "--target", " b", "--prompt", "a b"],
+        "pretrain": ["pretrain", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / "runs")],
+        "convert": ["convert", checkpoint, str(tmp_path / "out")],
+        "demo": ["demo", "--out", str(tmp_path / "out")],
+        "lab": ["lab", "--out", str(tmp_path / "runs")],
+    }[command]
+    err = _parse_error([*argv, option, value], capsys)
+    assert f"{option}: must be a whole number of at least {minimum}, not '{value}'" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+def test_learning_rates_are_checked_when_parsed(tmp_path, capsys):
+    for option, value, problem in [("--lr", "0", "must be above 0"), ("--table-lr", "nan", "must be a finite number")]:
+        err = _parse_error(["pretrain", str(tmp_path / "corpus.txt"), option, value], capsys)
+        assert f"argument {option}: {problem}, not '{value}'" in err
+    err = _parse_error(["convert", "src", str(tmp_path / "out"), "--heal-lr=-1e-4"], capsys)  # "=": not an option
+    assert "argument --heal-lr: must be at least 0, not '-1e-4'" in err
+
+
+@pytest.mark.parametrize("limit", ["inf", "nan", "-inf", "0", "-1", "1.5"])
+def test_eval_refuses_a_limit_that_is_no_count_nor_fraction_when_parsed(tmp_path, checkpoint, capsys, limit):
+    output = tmp_path / "results.json"
+    err = _parse_error(
+        ["eval", checkpoint, "--tasks", "stem_facts", f"--limit={limit}", "--output", str(output)], capsys
+    )
+    assert "argument --limit: must be" in err and f"not '{limit}'" in err
+    assert not output.exists()
+
+
+def test_eval_takes_a_limit_as_lm_eval_does():
+    from stem_hf.cli import build_parser
+
+    parse = build_parser().parse_args
+    limits = {text: parse(["eval", "CK", "--tasks", "t", "--limit", text]).limit for text in ("2", "2.0", "0.25")}
+    assert limits == {"2": 2, "2.0": 2, "0.25": 0.25}
+    assert type(limits["2.0"]) is int
+
+
+@pytest.mark.parametrize("out", ["", "checkpoint", "other folder"])
+def test_offload_store_refuses_an_out_that_is_no_file_path_before_writing(
+    tmp_path, checkpoint, monkeypatch, capsys, out
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other folder").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir()), sorted(os.listdir(checkpoint))
+    path = {"": "", "checkpoint": checkpoint, "other folder": str(tmp_path / "other folder")}[out]
+    err = _parse_error(["offload-store", checkpoint, "--out", path], capsys)
+    expected = "argument --out: empty; name the file to write" if not out else f"argument --out: {path} is a folder"
+    assert expected in err
+    assert (sorted(p.name for p in tmp_path.iterdir()), sorted(os.listdir(checkpoint))) == before  # no .partial
+
+
+@pytest.mark.parametrize("option", ["--prompt", "--source", "--target"])
+def test_edit_refuses_text_that_is_not_utf8_when_parsed(checkpoint, capsys, option):
+    """Bytes that are not UTF-8 in argv (b"a\\xff") reach Python as surrogate escapes ("a\\udcff")."""
+    texts = {"--prompt": "the fox", "--source": " fox", "--target": " dog", option: "a\udcff"}
+    argv = ["edit", checkpoint, *(word for pair in texts.items() for word in pair)]
+    err = _parse_error(argv, capsys)
+    assert f"argument {option}: b'a\\xff' is not valid UTF-8" in err
+
+
+def test_convert_refuses_card_and_prior_context_text_that_is_not_utf8_when_parsed(tmp_path, capsys):
+    for option in ("--prior-context", "--base-model", "--license"):
+        err = _parse_error(["convert", "src", str(tmp_path / "out"), option, "x\udcff"], capsys)
+        assert f"argument {option}: b'x\\xff' is not valid UTF-8" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_card_writes_for_a_folder_whose_name_is_not_utf8(tmp_path, capsys):
+    folder = os.fsdecode(os.fsencode(str(tmp_path)) + b"/ck\xff")  # 'ck\udcff': what argv gives for such a name
+    tiny_model().save_pretrained(folder)
+    main(["card", folder])
+    card = (tmp_path / os.fsdecode(b"ck\xff") / "README.md").read_bytes().decode("utf-8")  # valid UTF-8 throughout
+    assert "# ck\ufffd" in card and f'from_pretrained("{tmp_path}/ck\ufffd"' in card
+    assert capsys.readouterr().out == f"wrote {tmp_path}/ck\ufffd/README.md\n"
+
+
+MYSTERY_CODE = """import pathlib
+pathlib.Path({marker!r}).write_text("the source's own code ran")
+"""
+
+
+@pytest.mark.parametrize("command", ["convert", "analyze"])
+def test_a_source_with_its_own_code_is_refused_from_its_config_before_transformers(
+    tmp_path, checkpoint, monkeypatch, command
+):
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    source, marker = tmp_path / "mystery", tmp_path / "MARKER"
+    source.mkdir()
+    config = {"model_type": "mystery", "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "modeling_x.py").write_text(MYSTERY_CODE.format(marker=str(marker)))
+    argv = {
+        "convert": ["convert", str(source), str(tmp_path / "out"), "--init", "projected", "--refit", "none"],
+        "analyze": ["analyze", checkpoint, "--dense", str(source), "--out", str(tmp_path / "out")],
+    }[command]
+    with pytest.raises(ValueError) as error:
+        main(argv)
+    message = str(error.value)
+    assert "cannot convert mystery: supported source architectures are LlamaForCausalLM, MistralForCausalLM" in message
+    assert "model_type 'mystery'" in message and "ships its own code (auto_map), which stem-hf never runs" in message
+    assert not marker.exists() and not (tmp_path / "modules").exists() and not (tmp_path / "out").exists()
+
+
+def test_the_disk_room_message_gives_sizes_in_a_unit_that_fits(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from stem_hf.accounting import check_disk_room, format_bytes
+
+    assert [format_bytes(n) for n in (512, 25_000_000, 999_999, 1.5e9, 2e12)] == [
+        "512 B", "25.0 MB", "1.0 MB", "1.5 GB", "2.0 TB"
+    ]  # fmt: skip
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**7, 10**7))
+    with pytest.raises(OSError, match=r"store: the store takes 25\.0 MB and .* has 10\.0 MB free$"):
+        check_disk_room(tmp_path / "store", 25_000_000, "the store takes")

@@ -159,7 +159,7 @@ def test_bad_lab_settings_are_named():
         make_world(10, name_lengths=(4,))
 
 
-def test_the_lab_command_refuses_bad_input_before_training(tmp_path):
+def test_the_lab_command_refuses_bad_input_before_training(tmp_path, capsys):
     from stem_hf.cli import main
 
     (tmp_path / "results.json").write_text("{}")
@@ -168,10 +168,11 @@ def test_the_lab_command_refuses_bad_input_before_training(tmp_path):
     assert (tmp_path / "results.json").read_text() == "{}"  # nothing lost
     with pytest.raises(SystemExit, match="unknown regime 'dropout'"):
         main(["lab", "--out", str(tmp_path / "new"), "--regimes", "dropout"])
-    with pytest.raises(SystemExit, match="--steps must be at least 1"):
-        main(["lab", "--out", str(tmp_path / "new"), "--steps", "0"])
-    with pytest.raises(SystemExit, match="at least 2 people"):
-        main(["lab", "--out", str(tmp_path / "new"), "--capacity", "1"])
+    for option, value, minimum in (("--steps", "0", 1), ("--capacity", "1", 2)):
+        with pytest.raises(SystemExit) as exit_info:  # refused as the command line is parsed
+            main(["lab", "--out", str(tmp_path / "new"), option, value])
+        assert exit_info.value.code == 2
+        assert f"{option}: must be a whole number of at least {minimum}, not '{value}'" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
 
 

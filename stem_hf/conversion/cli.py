@@ -8,6 +8,7 @@ from fnmatch import fnmatch
 
 from ..accounting import check_local
 from ..assets import CORPUS_NAMES, corpora, read_texts
+from ..cli_args import non_negative_float, non_negative_int, positive_float, positive_int, utf8_text
 from ..storage_stem import CONFIG_NAME
 from .options import CALIBRATED_INITS, DTYPE_ALIASES, HEAL_PRECISIONS, HEAL_TRAINABLE, INITS, PRIOR_CONTEXT, REFITS
 
@@ -24,8 +25,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="convert SmolLM2-135M (or --source) to STEM, reload it, compare with dense")
     demo.add_argument("--out", default="runs/demo", help="where to save the converted checkpoint")
     demo.add_argument("--source", default=None, help="a dense checkpoint (default: the embedded SmolLM2-135M GGUF)")
-    demo.add_argument("--calibration-tokens", type=int, default=50_000)
-    demo.add_argument("--heal-tokens", type=int, default=20_000, help="healing budget (0: none)")
+    demo.add_argument("--calibration-tokens", type=positive_int, default=50_000)
+    demo.add_argument("--heal-tokens", type=non_negative_int, default=20_000, help="healing budget (0: none)")
     demo.add_argument(
         "--heal-precision", choices=HEAL_PRECISIONS, default="auto", help="as convert's, but the default is auto"
     )
@@ -42,8 +43,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     convert.add_argument("--init", default="fitted", choices=INITS)
     convert.add_argument("--calibration", nargs="*", default=None, help="text files (default: the bundled corpus)")
     convert.add_argument("--heldout", nargs="*", default=None, help="text files (default: the bundled held-out set)")
-    convert.add_argument("--calibration-tokens", type=int, default=150_000)
-    convert.add_argument("--heldout-tokens", type=int, default=20_000)
+    convert.add_argument("--calibration-tokens", type=positive_int, default=150_000)
+    convert.add_argument("--heldout-tokens", type=positive_int, default=20_000)
     convert.add_argument(
         "--table-dtype", default="bfloat16", choices=["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
     )
@@ -65,6 +66,7 @@ def _add_text_options(convert: argparse.ArgumentParser) -> None:
     context = convert.add_mutually_exclusive_group()
     context.add_argument(
         "--prior-context",
+        type=utf8_text,
         help="fitted/mean: rare and unseen tokens' rows lean on a ridge map from their embedding and their FFN input "
         f"after BOS (if any) and this text (default for fitted/mean: {PRIOR_CONTEXT!r}; see --no-prior-context)",
     )
@@ -78,30 +80,34 @@ def _add_text_options(convert: argparse.ArgumentParser) -> None:
     )
     convert.add_argument(
         "--gate-epochs",
-        type=int,
+        type=non_negative_int,
         help="epochs of local training of the STEM layers' gates (default: 5 with --refit sequential/all, else 0)",
     )
     convert.add_argument(
         "--dense-epochs",
-        type=int,
+        type=non_negative_int,
         help="epochs of local training of the dense layers' gate and up (default: 5 with --refit all, else 0)",
     )
-    convert.add_argument("--heal-tokens", type=int, default=0, help="distil dense into STEM on N tokens")
+    convert.add_argument("--heal-tokens", type=non_negative_int, default=0, help="distil dense into STEM on N tokens")
     # Left unset, the healing options take `heal`'s defaults (the anneal's by init: `ANNEAL`).
     convert.add_argument("--heal-train", choices=HEAL_TRAINABLE, help="what healing trains (default: all)")
     convert.add_argument(
         "--heal-anneal", type=float, help="share of the healing steps that blend W_up out (default: 0 for fitted, mean)"
     )
-    convert.add_argument("--heal-table-lr", type=float, help="learning rate of the table rows")
-    convert.add_argument("--heal-lr", type=float, help="learning rate of the other trained weights")
+    convert.add_argument("--heal-table-lr", type=positive_float, help="learning rate of the table rows")
+    convert.add_argument("--heal-lr", type=non_negative_float, help="learning rate of the other trained weights")
     convert.add_argument(
         "--heal-precision",
         choices=HEAL_PRECISIONS,
         help="bf16: healing under bf16 autocast; auto: bf16 where the device computes it natively (default: fp32)",
     )
     convert.add_argument("--device", default=None, help="where healing runs, e.g. cuda (default: cpu)")
-    convert.add_argument("--base-model", help="the source's Hub id, for the model card (default: SOURCE if a Hub id)")
-    convert.add_argument("--license", help='the source\'s license id for the model card, e.g. "apache-2.0"')
+    convert.add_argument(
+        "--base-model", type=utf8_text, help="the source's Hub id, for the model card (default: SOURCE if a Hub id)"
+    )
+    convert.add_argument(
+        "--license", type=utf8_text, help='the source\'s license id for the model card, e.g. "apache-2.0"'
+    )
 
 
 def model_files(folder: str) -> list[str]:

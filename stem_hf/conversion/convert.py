@@ -16,6 +16,7 @@ from .. import StemConfig, StemForCausalLM
 from ..accounting import (
     available_memory,
     check_disk_room,
+    format_bytes,
     num_active_parameters,
     num_table_parameters,
     summarize,
@@ -169,7 +170,7 @@ def _check_disk(config: StemConfig, out: str | os.PathLike | None, offload_store
     counts, tables = summarize(config), table_bytes(config)
     needed = tables * (2 if offload_store else 1) + 4 * (counts["total_params"] - counts["table_params"])
     what = f"the checkpoint{' and its offload store' if offload_store else ''} take"
-    check_disk_room(out, needed, what, f" ({tables / 1e9:.1f} GB of tables)")
+    check_disk_room(out, needed, what, f" ({format_bytes(tables)} of tables)")
 
 
 def _calibration_budget(config: StemConfig, streamed: bool) -> int | None:

@@ -9,6 +9,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from ..accounting import format_bytes
 from ..assets import CORPUS_NAMES, corpora, smollm2_gguf
 from ..remote_check import load_without_package
 from ..storage_stem import SAFE_WEIGHTS_INDEX_NAME, TABLE_KEY
@@ -102,7 +103,7 @@ def _print(summary: dict, source: str, checkpoint: str, dense_params: int) -> No
         f"active per token (dense: {dense_params / 1e6:.0f}M)"
     )
     print(
-        f"  tables: {summary['table_bytes'] / 1e9:.2f} GB in {len(_table_files(checkpoint))} files; load with "
+        f"  tables: {format_bytes(summary['table_bytes'])} in {len(_table_files(checkpoint))} files; load with "
         f"trust_remote_code: {summary['load_s']:.1f} s; copied code without stem_hf: max |diff| "
         f"{summary['remote_code_max_abs_diff']:.1e}"
     )

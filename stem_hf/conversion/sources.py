@@ -11,13 +11,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .. import StemConfig, StemForCausalLM
-from ..accounting import check_local
+from ..accounting import check_local, read_config_json
 from ..modeling_stem import StemRotaryEmbedding
+from ..storage_stem import CONFIG_NAME
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "Source",
     "check_source_and_out",
+    "check_source_type",
     "copy_dense_weights",
     "load_source",
     "load_source_config",
@@ -45,9 +47,33 @@ def split_gguf(source: str) -> tuple[str, dict]:
     return source, {}
 
 
-def load_source_config(source: str) -> PreTrainedConfig:
+def check_source_type(source: str) -> None:
+    """Refuses a folder or Hub source whose config.json, read as plain JSON, names an architecture convert does not
+    support: transformers never sees it, so code the source ships (`auto_map`) never runs nor prompts to run. A GGUF
+    file names its architecture inside, and transformers reads that without any code."""
     path, extra = split_gguf(source)
-    return AutoConfig.from_pretrained(path, **extra)
+    if extra:
+        return
+    config = read_config_json(path)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        own_code = "; it ships its own code (auto_map), which stem-hf never runs" if "auto_map" in config else ""
+        raise _unsupported(
+            model_type, config.get("architectures"), f" (its {CONFIG_NAME} has model_type {model_type!r}{own_code})"
+        )
+
+
+def load_source_config(source: str) -> PreTrainedConfig:
+    """The source's config, by transformers' own classes only, once `check_source_type` has read it as JSON."""
+    check_source_type(source)
+    path, extra = split_gguf(source)
+    return AutoConfig.from_pretrained(path, trust_remote_code=False, **extra)
+
+
+def _unsupported(model_type: str | None, architectures: list | None, detail: str = "") -> ValueError:
+    supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
+    architecture = (architectures or [model_type])[0]
+    return ValueError(f"cannot convert {architecture}: supported source architectures are {supported}{detail}")
 
 
 def _refuse(config: PreTrainedConfig, feature: str) -> ValueError:
@@ -59,9 +85,7 @@ def stem_config_from_dense(
 ) -> StemConfig:
     """The `StemConfig` of a dense Llama, Mistral, Qwen2 or Qwen3 config, with `stem_layers` resolved."""
     if config.model_type not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
-        architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
-        raise ValueError(f"cannot convert {architecture}: supported source architectures are {supported}")
+        raise _unsupported(config.model_type, getattr(config, "architectures", None))
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:  # Qwen2/3: the per-layer types say which layers slide
         if any(kind != "full_attention" for kind in layer_types):
@@ -107,12 +131,12 @@ def load_source(source: str) -> tuple[nn.Module, object | None]:
     config = load_source_config(source)
     stem_config_from_dense(config, [])  # refuses unsupported sources early
     path, extra = split_gguf(source)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, **extra).eval()
     if getattr(model.config, "quantization_config", None) is not None:  # dequantized GGUF: plain fp32 weights now
         del model.config.quantization_config
         model.hf_quantizer = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **extra)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return model, tokenizer
@@ -166,22 +190,16 @@ def check_source_and_out(
         return None
     source = os.fspath(source)
     gguf = source.endswith(".gguf")
-    local = os.path.exists(source) if gguf else check_local(source)
+    if not gguf:
+        check_local(source)  # a missing folder is named as such
     folder = os.path.dirname(os.path.abspath(source)) if gguf else source
     if out is not None and os.path.isdir(out) and os.path.isdir(folder) and os.path.samefile(out, folder):
         raise ValueError(
             f"out: {os.fspath(out)} is the source's own folder ({source}); the STEM checkpoint would replace its "
             "weights and config: choose another folder"
         )
-    try:
-        config = load_source_config(source)
-    except OSError as error:
-        if local or gguf:
-            raise
-        raise FileNotFoundError(
-            f"{source}: no such folder, nor a Hub repo whose config could be read ({error})"
-        ) from error
-    return stem_config_from_dense(config, stem_layers, table_dtype)
+    # A Hub id that is no repo is named as such by `check_source_type`, which reads its config.json first.
+    return stem_config_from_dense(load_source_config(source), stem_layers, table_dtype)
 
 
 def copy_dense_weights(dense: nn.Module, stem: StemForCausalLM, share: bool = False) -> None:

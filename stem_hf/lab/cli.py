@@ -6,6 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..cli_args import int_at_least, positive_int
+
 RESULTS = "results.json"
 
 
@@ -14,8 +16,8 @@ def add_parser(commands) -> None:
     lab.add_argument("--out", default="runs/lab", help="results, plots and the editable model (OUT/editable)")
     # Parsing imports nothing heavy: the defaults named here live in stem_hf.lab.train.
     lab.add_argument("--quick", action="store_true", help="the test size (stem_hf.lab.train.QUICK)")
-    lab.add_argument("--people", type=int, help="people in the world (default: LabSettings.people)")
-    lab.add_argument("--steps", type=int, help="training steps (default: LabSettings.steps)")
+    lab.add_argument("--people", type=int_at_least(2), help="people in the world (default: LabSettings.people)")
+    lab.add_argument("--steps", type=positive_int, help="training steps (default: LabSettings.steps)")
     lab.add_argument(
         "--regimes", nargs="+",
         help="STEM-full training regimes: plain, shared-embedding, entity-dropout-P (default: DEFAULT_REGIME)",
@@ -24,8 +26,10 @@ def add_parser(commands) -> None:
         "--models", nargs="*", default=["dense"], choices=["dense", "STEM-1/2", "STEM-full"],
         help="models also trained the plain way, for comparison (default: %(default)s)",
     )  # fmt: skip
-    lab.add_argument("--pairs", type=int, default=200, help="edit pairs of each kind (default: %(default)s)")
-    lab.add_argument("--capacity", nargs="*", type=int, default=[], help="more world sizes for the capacity curve")
+    lab.add_argument("--pairs", type=positive_int, default=200, help="edit pairs of each kind (default: %(default)s)")
+    lab.add_argument(
+        "--capacity", nargs="*", type=int_at_least(2), default=[], help="more world sizes for the capacity curve"
+    )
     lab.add_argument("--overwrite", action="store_true", help=f"replace an OUT that already holds {RESULTS}")
 
 
@@ -35,10 +39,6 @@ def run(args: argparse.Namespace) -> None:
     from .train import DEFAULT_REGIME, QUICK, LabSettings
 
     args.regimes = args.regimes or [DEFAULT_REGIME]
-
-    for name, value in (("--people", args.people), ("--steps", args.steps)):
-        if value is not None and value < (2 if name == "--people" else 1):
-            raise SystemExit(f"stem-hf lab: {name} must be at least {2 if name == '--people' else 1}, got {value}")
     try:
         check_lab_args(args.regimes, args.models, args.capacity, args.pairs)
         require_matplotlib()
