@@ -40,9 +40,7 @@ from .storage_stem import (
     StemSoftPromptRows,
     StemTable,
     StemTables,
-    finish_load,
-    prepare_load,
-    reading_checkpoint,
+    load_checkpoint,
     save_checkpoint,
     unsaved_id,
     xavier_normal_std,
@@ -338,14 +336,9 @@ class StemPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained` after `storage_stem.prepare_load`'s checks, reading the files of one save
-        (`reading_checkpoint`); tables stay in host memory under a `device_map`, and load as copy-on-write memory maps
-        of their files when stored in `table_dtype`."""
-        with reading_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder", "")):
-            save_id = prepare_load(cls, pretrained_model_name_or_path, kwargs)
-            loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        finish_load(loaded[0] if isinstance(loaded, tuple) else loaded, save_id)  # a tuple: output_loading_info
-        return loaded
+        """`PreTrainedModel.from_pretrained`, files checked and read as one save (`storage_stem.load_checkpoint`);
+        tables stay in host memory under a `device_map`, memory-mapped when stored in `table_dtype`."""
+        return load_checkpoint(cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs)
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with tables in their own shards, staged and atomic

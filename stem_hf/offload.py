@@ -45,6 +45,7 @@ from .storage_stem import (
     block_rows,
     check_checkpoint_files,
     map_safetensors,
+    read_index,
     read_safetensors_header,
     read_safetensors_metadata,
     reading_checkpoint,
@@ -172,8 +173,7 @@ def _map_tables(folder: str) -> dict[int, torch.Tensor]:
     index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
     if not os.path.isfile(index_path):
         raise FileNotFoundError(f"{index_path} is missing: an offload store is built from a saved checkpoint")
-    with open(index_path, encoding="utf-8") as f:
-        weight_map = json.load(f)["weight_map"]
+    weight_map = read_index(index_path)["weight_map"]
     tables = {}
     for file in sorted({file for name, file in weight_map.items() if TABLE_KEY.search(name)}):
         for name, tensor in map_safetensors(os.path.join(folder, file)).items():

@@ -185,7 +185,7 @@ def read_safetensors_metadata(path: str) -> dict:
     return _read_header(path)[1]
 
 
-def _read_index(path: str) -> dict:
+def read_index(path: str) -> dict:
     """A safetensors index, checked to be JSON with a `weight_map` of tensor names to file names."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -297,7 +297,7 @@ def check_checkpoint_files(folder: str, config: StemConfig, variant: str | None 
     if os.path.isfile(os.path.join(folder, single)):  # transformers prefers it over an index
         files = {single: None}
     elif os.path.isfile(index_path):
-        index = _read_index(index_path)
+        index = read_index(index_path)
         save_id = (index.get("metadata") or {}).get(SAVE_ID_KEY)
         files = {}
         for name, file in index["weight_map"].items():
@@ -374,7 +374,7 @@ def read_save_id(folder: str | os.PathLike, variant: str | None = None) -> str |
     path = os.path.join(folder, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
     if not os.path.isfile(path):
         return None
-    return (_read_index(path).get("metadata") or {}).get(SAVE_ID_KEY)
+    return (read_index(path).get("metadata") or {}).get(SAVE_ID_KEY)
 
 
 def _folder_save_ids(folder: str | os.PathLike) -> set[str | None]:
@@ -640,7 +640,7 @@ def finish_checkpoint(
     save_id = save_id or uuid.uuid4().hex
     index_path = os.path.join(folder, variant_name(SAFE_WEIGHTS_INDEX_NAME, variant))
     if os.path.isfile(index_path):
-        weight_map = _read_index(index_path)["weight_map"]
+        weight_map = read_index(index_path)["weight_map"]
     else:
         # An index beside `model.safetensors` would be ignored: transformers loads the single file first.
         dense = _shard_name(SAFE_WEIGHTS_NAME, variant, 1, 1)
@@ -1169,6 +1169,16 @@ def prepare_load(model_class: type, path, kwargs: dict) -> str | None:
     return save_id
 
 
+def load_checkpoint(model_class: type, load: Callable, path, *model_args, **kwargs):
+    """`from_pretrained` of a STEM model: `load` (transformers' own) after `prepare_load`'s checks, both under
+    `reading_checkpoint`, so that a local folder is read as the files of one save; then `finish_load`."""
+    with reading_checkpoint(path, kwargs.get("subfolder", "")):
+        save_id = prepare_load(model_class, path, kwargs)
+        loaded = load(path, *model_args, **kwargs)
+    finish_load(loaded[0] if isinstance(loaded, tuple) else loaded, save_id)  # a tuple: output_loading_info
+    return loaded
+
+
 def device_map_keeping_tables_on_cpu(
     model_class: type, config, device_map, max_memory: dict | None = None, dtype: torch.dtype | str | None = None
 ) -> dict:
@@ -1343,11 +1353,13 @@ __all__ = [
     "device_map_keeping_tables_on_cpu",
     "finish_checkpoint",
     "finish_load",
+    "load_checkpoint",
     "map_safetensors",
     "prepare_load",
     "provenance_matches",
     "read_safetensors_header",
     "read_safetensors_metadata",
+    "read_index",
     "read_save_id",
     "reading_checkpoint",
     "save_checkpoint",
