@@ -1083,11 +1083,12 @@ class StemTables(nn.ModuleDict):
             return super()._apply(lambda t: torch.empty_like(t, device=device), recurse)
         return super()._apply(lambda t: t.to(device), recurse)
 
-    @torch.no_grad()
     def check_not_freed(self, what: str) -> None:
+        """Raises, naming `what`, where an offload engine freed the tables (they hold no rows)."""
         if any(table.weight.shape[0] == 0 for table in self.values()):
             raise RuntimeError(f"{what}: {FREED_TABLES}")
 
+    @torch.no_grad()
     def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
         """Gives every table `new_num_tokens` rows. Kept rows are copied; new rows are the mean of the old rows
         (`mean_resizing=True`: the table's best guess for a token it knows nothing about) or drawn from the paper's
