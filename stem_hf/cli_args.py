@@ -6,17 +6,6 @@ import math
 import os
 from collections.abc import Callable
 
-__all__ = [
-    "eval_limit",
-    "file_path",
-    "int_at_least",
-    "non_negative_float",
-    "non_negative_int",
-    "positive_float",
-    "positive_int",
-    "utf8_text",
-]
-
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """The type of a whole-number option that must be at least `minimum`."""
@@ -63,6 +52,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A share of something, in [0, 1]."""
+    value = _finite(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1], not {text!r}")
+    return value
+
+
 def eval_limit(text: str) -> int | float:
     """lm-eval's `limit`: a whole number of examples per task, or a fraction of them below 1."""
     value = positive_float(text)
@@ -100,3 +97,16 @@ def file_path(text: str) -> str:
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a folder; name the file to write (in it or elsewhere)")
     return text
+
+
+__all__ = [
+    "eval_limit",
+    "file_path",
+    "int_at_least",
+    "non_negative_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "share",
+    "utf8_text",
+]

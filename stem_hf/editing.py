@@ -19,13 +19,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .storage_stem import unsaved_id
+from .storage_stem import FREED_TABLES, unsaved_id
 
 STRATEGIES = ("pad", "subset", "mean")
-FREED = (
-    "the model's tables were freed by StemOffloadEngine(free_tables=True) and no engine serving them is attached: "
-    "attach that engine (edits then go into the rows it serves) or detach it (which rebuilds the tables) first"
-)
 
 
 @runtime_checkable
@@ -249,7 +245,7 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
     for copy in copies:
         copy.check_writable()
     if freed and not copies:
-        raise ValueError(f"persist_edit: {FREED}")
+        raise ValueError(f"persist_edit: {FREED_TABLES} (an attached engine takes the edit into the rows it serves)")
     model.stem_save_id = unsaved_id()  # the tables no longer hold the loaded or saved checkpoint's rows
     source = list(edit.source)
     for key, table in model.base_model.stem_tables.items():

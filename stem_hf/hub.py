@@ -13,7 +13,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers.utils import logging
 from transformers.utils.hub import create_and_tag_model_card
 
-from .accounting import load_config
+from .accounting import check_local, load_config
 from .model_card import CARD_FILE, MARKER, write_model_card
 from .offload import STORE_NAME
 from .storage_stem import (
@@ -48,21 +48,20 @@ def push_checkpoint(
     commit that also deletes weight files of an earlier push that the folder no longer has. A card on the Hub that a
     person wrote is kept. Returns the commit URL."""
     folder = Path(folder)
-    config = load_config(str(folder), hub=False)  # a missing folder is named as such, not tried as a repo id
+    check_local(str(folder), hub=False)  # a missing folder is named as such, not tried as a repo id
     with reading_checkpoint(folder):  # a save into the folder waits until the upload has read every file
-        return _push_folder(folder, config, repo_id, private, revision, commit_message, token)
+        return _push_folder(folder, repo_id, private, revision, commit_message, token)
 
 
 def _push_folder(
     folder: Path,
-    config,
     repo_id: str,
     private: bool | None,
     revision: str | None,
     commit_message: str | None,
     token: str | None,
 ) -> str:
-    check_checkpoint_files(str(folder), config)
+    check_checkpoint_files(str(folder), load_config(str(folder), hub=False))
     if not any(folder.glob("tokenizer*")):
         raise ValueError(f"{folder} has no tokenizer: save one there (tokenizer.save_pretrained) before pushing")
     write_model_card(folder, repo_id=repo_id)

@@ -628,4 +628,4 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["StemForCausalLM", "StemModel", "StemPreTrainedModel", "StemRowSource", "StemRows"]
+__all__ = ["StemForCausalLM", "StemModel", "StemPreTrainedModel", "StemRowSource", "StemRows", "check_token_ids"]

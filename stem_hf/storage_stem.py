@@ -57,7 +57,7 @@ _DTYPE_BITS = {
 # A table with no rows: what `StemOffloadEngine(free_tables=True)` leaves in the model while it serves the rows.
 FREED_TABLES = (
     "the model's tables were freed by StemOffloadEngine(free_tables=True), which serves their rows only while "
-    "attached; attach the engine, or detach it (engine.detach() rebuilds the tables) first"
+    "attached; attach the engine, or detach it first (engine.detach() rebuilds the tables, unless its store is int8)"
 )
 _VARIANT = re.compile(r"[A-Za-z0-9_-]+")
 _STAGING_PREFIX = ".stem-saving-"
@@ -216,6 +216,7 @@ def _leaves_folder(file: str) -> bool:
 # what it reads to the model's dtype, which would turn integers into wrong numbers without a word.
 _TABLE_STORAGE = ("BF16", "F16", "F32")
 _FLOAT_STORAGE = ("BF16", "F16", "F32", "F64", "F8_E5M2", "F8_E4M3")
+_ANY_INDEX = re.compile(r"model\.safetensors\.index(?:\.([A-Za-z0-9_-]+))?\.json")
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -271,15 +272,22 @@ def _check_layer_count(folder: str, layers: set[int], config: StemConfig) -> Non
         )
 
 
-def _missing_index(folder: str, index_name: str) -> None:
-    """Raises if `folder` holds shards but not the index that lists them (transformers would look for a single file)."""
-    shard = re.compile(r"(?:model|stem-tables)(?:\.[A-Za-z0-9_-]+)?-\d{5}-of-\d{5}\.safetensors")
-    shards = sorted(name for name in os.listdir(folder) if shard.fullmatch(name))
+def _missing_index(folder: str, index_name: str, variant: str | None) -> None:
+    """Raises if `folder` holds shards of `variant` but not the index that lists them (transformers would look for a
+    single file), or only another variant's weights."""
+    v = "" if not variant else re.escape("." + variant)
+    shard = re.compile(rf"(?:model|stem-tables){v}-\d{{5}}-of-\d{{5}}\.safetensors")
+    entries = os.listdir(folder)
+    shards = sorted(name for name in entries if shard.fullmatch(name))
     if shards:
         raise FileNotFoundError(
             f"{os.path.join(folder, index_name)} is missing: {folder} holds weight shards ({shards[0]}, ...) but not "
             "the index that lists them; restore it from the checkpoint's source or save the model again"
         )
+    others = sorted(m.group(1) or "" for m in map(_ANY_INDEX.fullmatch, entries) if m)
+    if others:
+        shown = ", ".join(f"variant={o!r}" if o else "variant=None" for o in others)
+        raise FileNotFoundError(f"{folder} has no {index_name}: it holds the weights of {shown}; load one of them")
 
 
 def check_checkpoint_files(folder: str, config: StemConfig, variant: str | None = None) -> str | None:
@@ -308,7 +316,7 @@ def check_checkpoint_files(folder: str, config: StemConfig, variant: str | None 
                 )
             files.setdefault(file, []).append(name)
     else:
-        _missing_index(folder, index_name)
+        _missing_index(folder, index_name, variant)
         return None
     config_id = _config_save_id(folder)
     if config_id is not None and config_id not in _folder_save_ids(folder):
@@ -379,10 +387,9 @@ def read_save_id(folder: str | os.PathLike, variant: str | None = None) -> str |
 
 def _folder_save_ids(folder: str | os.PathLike) -> set[str | None]:
     """The save id of every safetensors index in `folder`, the default one and each variant's."""
-    index = re.compile(r"model\.safetensors\.index(?:\.([A-Za-z0-9_-]+))?\.json")
     ids = set()
     for entry in os.listdir(folder) if os.path.isdir(folder) else ():
-        match = index.fullmatch(entry)
+        match = _ANY_INDEX.fullmatch(entry)
         if match is not None:
             try:
                 ids.add(read_save_id(folder, match.group(1)))
@@ -724,7 +731,7 @@ def _flock(path: str, exclusive: bool, wait_message: str | None = None) -> int |
         except BlockingIOError:
             if wait_message is None:
                 raise
-            logger.info(wait_message)
+            logger.warning(wait_message)
             fcntl.flock(fd, mode)
     except OSError:
         os.close(fd)
@@ -737,19 +744,12 @@ def _lock(folder: str) -> int | None:
     return _flock(folder, exclusive=True)
 
 
-# Every file a load reads or a save replaces, of any variant: configs, indexes, weight shards.
-_CHECKPOINT_FILE = re.compile(
-    r"(?:generation_)?config\.json|(?:model|pytorch_model|stem-tables)(?:\.[A-Za-z0-9_-]+)?(?:-\d{5}-of-\d{5})?"
-    r"\.(?:safetensors|bin)|(?:model\.safetensors|pytorch_model\.bin)\.index(?:\.[A-Za-z0-9_-]+)?\.json"
-)
-
-
-def _snapshot(folder: str) -> dict[str, tuple[int, ...]]:
-    """Identity and state of each checkpoint file in `folder`: a save replaces files by rename (a new inode), a copy
-    over one rewrites it (a new size or mtime); either changes this."""
-    files = {}
+def _snapshot(folder: str, variant: str | None) -> dict[str, tuple[int, ...]]:
+    """Identity and state of each file a load of `variant` reads in `folder` (configs, index, weight files): a save
+    replaces files by rename (a new inode), a copy over one rewrites it (a new size or mtime); either changes this."""
+    weight_files, files = _weight_files(variant), {}
     for entry in os.scandir(folder):
-        if _CHECKPOINT_FILE.fullmatch(entry.name):
+        if entry.name in (CONFIG_NAME, "generation_config.json") or weight_files.fullmatch(entry.name):
             try:
                 st = entry.stat()
             except OSError:  # a dangling link: the load reports it
@@ -759,7 +759,9 @@ def _snapshot(folder: str) -> dict[str, tuple[int, ...]]:
 
 
 @contextmanager
-def reading_checkpoint(path: str | os.PathLike | None, subfolder: str = "") -> Iterator[None]:
+def reading_checkpoint(
+    path: str | os.PathLike | None, subfolder: str = "", variant: str | None = None
+) -> Iterator[None]:
     """Reads of a local checkpoint folder inside this (its checks and transformers' load) see the files of one save,
     or fail: they hold a shared lock on the folder, which a save's commit waits for (and a load that meets a commit
     waits for it), and they fail if a checkpoint file changed meanwhile (a writer that does not take the lock, or a
@@ -770,9 +772,9 @@ def reading_checkpoint(path: str | os.PathLike | None, subfolder: str = "") -> I
         return
     lock = _flock(folder, exclusive=False, wait_message=f"{folder}: waiting for a save into it to finish its renames")
     try:
-        before = _snapshot(folder)
+        before = _snapshot(folder, variant)
         yield
-        after = _snapshot(folder)
+        after = _snapshot(folder, variant)
         changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
         if changed:
             raise RuntimeError(
@@ -1170,10 +1172,10 @@ def prepare_load(model_class: type, path, kwargs: dict) -> str | None:
     return save_id
 
 
-def load_checkpoint(model_class: type, load: Callable, path, *model_args, **kwargs):
+def load_checkpoint(model_class: type, load: Callable, path: str | os.PathLike | None, *model_args, **kwargs):
     """`from_pretrained` of a STEM model: `load` (transformers' own) after `prepare_load`'s checks, both under
     `reading_checkpoint`, so that a local folder is read as the files of one save; then `finish_load`."""
-    with reading_checkpoint(path, kwargs.get("subfolder", "")):
+    with reading_checkpoint(path, kwargs.get("subfolder", ""), kwargs.get("variant") or None):
         save_id = prepare_load(model_class, path, kwargs)
         loaded = load(path, *model_args, **kwargs)
     finish_load(loaded[0] if isinstance(loaded, tuple) else loaded, save_id)  # a tuple: output_loading_info

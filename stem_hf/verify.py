@@ -25,7 +25,12 @@ def weight_files(folder: str) -> list[str]:
     """The safetensors files a load of `folder` reads: the single file, or every file its index names."""
     if os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
         return [SAFE_WEIGHTS_NAME]
-    return sorted(set(read_index(os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME))["weight_map"].values()))
+    index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    if not os.path.isfile(index):
+        raise FileNotFoundError(
+            f"{folder} holds no safetensors weights ({SAFE_WEIGHTS_INDEX_NAME} or {SAFE_WEIGHTS_NAME})"
+        )
+    return sorted(set(read_index(index)["weight_map"].values()))
 
 
 def non_finite_rows(tensor: torch.Tensor, limit: int = 5) -> tuple[int, list[int]]:
@@ -36,7 +41,8 @@ def non_finite_rows(tensor: torch.Tensor, limit: int = 5) -> tuple[int, list[int
     step = max(1, SCAN_BYTES // max(1, rows.shape[1] * rows.element_size()))
     count, first = 0, []
     for start in range(0, rows.shape[0], step):
-        bad = ~torch.isfinite(rows[start : start + step])
+        block = rows[start : start + step]
+        bad = ~torch.isfinite(block.float() if block.element_size() == 1 else block)  # no isfinite for float8
         per_row = bad.sum(dim=1)
         count += int(per_row.sum())
         if len(first) < limit:
@@ -49,10 +55,9 @@ def verify_checkpoint(folder: str | os.PathLike) -> dict:
     `{"tensors": n, "bytes": n, "non_finite": {tensor: {"count": n, "rows": [first rows]}}}`; raises what a load
     would raise on a broken file."""
     folder = os.fspath(folder)
-    config = load_config(folder, hub=False)
     report = {"tensors": 0, "bytes": 0, "non_finite": {}}
     with reading_checkpoint(folder):
-        check_checkpoint_files(folder, config)
+        check_checkpoint_files(folder, load_config(folder, hub=False))
         files = weight_files(folder)
         tensors = {}
         for file in files:

@@ -155,6 +155,8 @@ def test_learning_rates_are_checked_when_parsed(tmp_path, capsys):
         assert f"argument {option}: {problem}, not '{value}'" in err
     err = _parse_error(["convert", "src", str(tmp_path / "out"), "--heal-lr=-1e-4"], capsys)  # "=": not an option
     assert "argument --heal-lr: must be at least 0, not '-1e-4'" in err
+    err = _parse_error(["convert", "src", str(tmp_path / "out"), "--heal-anneal", "1.5"], capsys)
+    assert "argument --heal-anneal: must be a share in [0, 1], not '1.5'" in err
 
 
 @pytest.mark.parametrize("limit", ["inf", "nan", "-inf", "0", "-1", "1.5"])

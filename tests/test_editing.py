@@ -302,7 +302,7 @@ def test_a_persisted_edit_names_tables_freed_by_an_engine_no_longer_attached():
 
     model = sensitive_model()
     engine = StemOffloadEngine(model, free_tables=True)  # built, not attached: nothing serves the rows
-    with pytest.raises(ValueError, match=r"freed by StemOffloadEngine\(free_tables=True\).*attach that engine"):
+    with pytest.raises(ValueError, match=r"freed by StemOffloadEngine\(free_tables=True\).*attach the engine"):
         persist_edit(model, EDITS[0])
     engine.detach()  # rebuilds the tables: the edit works again
     persist_edit(model, EDITS[0])

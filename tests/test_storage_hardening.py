@@ -590,3 +590,14 @@ def test_saving_through_a_dangling_symlink_names_the_link(tmp_path):
     with pytest.raises(FileNotFoundError, match="link is a symbolic link to .*gone, which does not exist"):
         tiny_model().save_pretrained(link)
     assert not (tmp_path / "gone").exists() and link.is_symlink()
+
+
+def test_a_load_of_a_variant_the_folder_lacks_names_the_variants_it_holds(tmp_path):
+    folder = tmp_path / "ckpt"
+    tiny_model().save_pretrained(folder, variant="fp16")
+    with pytest.raises(FileNotFoundError, match=r"has no model.safetensors.index.json: it holds the weights of "
+                       r"variant='fp16'; load one of them"):  # fmt: skip
+        StemForCausalLM.from_pretrained(folder)
+    (folder / "model.safetensors.index.fp16.json").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors.index.fp16.json is missing: .* holds weight shards"):
+        StemForCausalLM.from_pretrained(folder, variant="fp16")

@@ -81,3 +81,15 @@ def test_the_cli_prints_the_report_and_exits_non_zero_on_a_nan(saved, capsys):
     (folder.parent / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="not a STEM one"):
         main(["verify", str(folder.parent)])
+
+
+def test_float8_weights_are_scanned_and_a_folder_without_weights_is_named(tmp_path, monkeypatch):
+    t = torch.zeros(3, 4).to(torch.float8_e4m3fn)
+    t.view(torch.uint8)[1, 2] = 0x7F  # NaN in e4m3fn
+    assert non_finite_rows(t) == (1, [1])
+    folder = tmp_path / "ckpt"
+    tiny_model().save_pretrained(folder)
+    for file in folder.glob("*.safetensors*"):
+        file.unlink()
+    with pytest.raises(FileNotFoundError, match="holds no safetensors weights"):
+        verify_checkpoint(folder)

@@ -8,7 +8,7 @@ from fnmatch import fnmatch
 
 from ..accounting import check_local
 from ..assets import CORPUS_NAMES, corpora, read_texts
-from ..cli_args import non_negative_float, non_negative_int, positive_float, positive_int, utf8_text
+from ..cli_args import non_negative_float, non_negative_int, positive_float, positive_int, share, utf8_text
 from ..storage_stem import CONFIG_NAME
 from .options import CALIBRATED_INITS, DTYPE_ALIASES, HEAL_PRECISIONS, HEAL_TRAINABLE, INITS, PRIOR_CONTEXT, REFITS
 
@@ -92,7 +92,7 @@ def _add_text_options(convert: argparse.ArgumentParser) -> None:
     # Left unset, the healing options take `heal`'s defaults (the anneal's by init: `ANNEAL`).
     convert.add_argument("--heal-train", choices=HEAL_TRAINABLE, help="what healing trains (default: all)")
     convert.add_argument(
-        "--heal-anneal", type=float, help="share of the healing steps that blend W_up out (default: 0 for fitted, mean)"
+        "--heal-anneal", type=share, help="share of the healing steps that blend W_up out (default: 0 for fitted, mean)"
     )
     convert.add_argument("--heal-table-lr", type=positive_float, help="learning rate of the table rows")
     convert.add_argument("--heal-lr", type=non_negative_float, help="learning rate of the other trained weights")
