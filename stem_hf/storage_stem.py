@@ -843,7 +843,7 @@ def staged_folder(target: str | os.PathLike, variant: str | None = None) -> Iter
     files of `variant` removed. Every byte is on disk before the first rename, and nothing in `target` is touched if
     the save fails. A commit killed between its renames leaves weight files whose save id differs from the index's,
     which `check_checkpoint_files` refuses; the staging folders of killed saves are removed by the next save. The
-    renames into an existing `target` hold its lock (`reading_checkpoint`), so loads never see them half done."""
+    renames into an existing `target` hold its `commit_lock`, which loads wait for, so no load sees them half done."""
     target = os.path.abspath(target)
     if os.path.isfile(target):
         raise NotADirectoryError(f"{target} is a file; save_pretrained needs a folder")
