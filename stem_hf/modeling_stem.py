@@ -8,7 +8,8 @@ the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a
 Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -300,10 +301,9 @@ class StemDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
-@torch.compiler.disable  # a graph break: under torch.compile the check still runs, before inductor's gather
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
     """Raises if `ids` holds an id outside `[0, vocab_size)`. On a GPU an out-of-range gather is a device-side assert
-    that kills the process, so the check runs before any lookup (one host sync per forward)."""
+    that kills the process, so the check runs before any lookup: one host sync, once per user input."""
     if ids.numel() == 0:
         return
     low, high = torch.stack(torch.aminmax(ids)).tolist()
@@ -323,6 +323,7 @@ class StemPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # resident tables; tests/test_compile.py
     _can_record_outputs = {"hidden_states": StemDecoderLayer, "attentions": StemAttention}
     # Set by the stem_hf package (card template, Hub code): without it, no card, and pushes as transformers does.
     _model_card_writer: Callable | None = None
@@ -391,7 +392,18 @@ class StemModel(StemPreTrainedModel):
         self.norm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = StemRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.check_ids = True  # see `ids_checked`
         self.post_init()
+
+    @contextmanager
+    def ids_checked(self) -> Iterator[None]:
+        """Forwards inside skip the token-id check and its host sync: `generate` checks the prompt once, and every id
+        it feeds back is one the model itself chose from its vocabulary."""
+        previous, self.check_ids = self.check_ids, False
+        try:
+            yield
+        finally:
+            self.check_ids = previous
 
     def set_row_source(self, source: StemRowSource | None) -> StemRowSource | None:
         """Serves the table rows of later forwards from `source` (None: this model's tables). Returns the source it
@@ -452,11 +464,14 @@ class StemModel(StemPreTrainedModel):
         if (input_ids if input_ids is not None else inputs_embeds).shape[1:2] == (0,):
             shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
             raise ValueError(f"{given} has shape {shape}: no position to run; give at least one token")
-        if input_ids is not None:
+        # Under torch.compile a check would be a graph break or a sync in the graph: compiled callers check their ids
+        # (generate does, once per prompt).
+        checking = self.check_ids and not torch.compiler.is_compiling()
+        if input_ids is not None and checking:
             check_token_ids(input_ids, self.config.vocab_size, "input_ids")
         if stem_input_ids is None:
             stem_input_ids = input_ids
-        elif stem_input_ids is not input_ids:
+        elif stem_input_ids is not input_ids and checking:
             check_token_ids(stem_input_ids, self.config.vocab_size, "stem_input_ids")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -533,13 +548,17 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         # An assistant model's generate runs again on the prompt plus the tokens accepted so far.
         assisting = getattr(kwargs.get("generation_config"), "is_assistant", False)
         if stem_input_ids is not None and prompt is not None and stem_input_ids.shape != prompt.shape[:2]:
-            if assisting and stem_input_ids.shape[0] == prompt.shape[0] and stem_input_ids.shape[1] < prompt.shape[1]:
-                return super().generate(inputs, *args, **kwargs)
-            raise ValueError(
-                f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the prompt has (batch_size, length) = "
-                f"{tuple(prompt.shape[:2])}: give one table id per prompt position"
-            )
-        return super().generate(inputs, *args, **kwargs)
+            shorter = stem_input_ids.shape[0] == prompt.shape[0] and stem_input_ids.shape[1] < prompt.shape[1]
+            if not (assisting and shorter):
+                raise ValueError(
+                    f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the prompt has (batch_size, length) "
+                    f"= {tuple(prompt.shape[:2])}: give one table id per prompt position"
+                )
+        for name, given in (("input_ids", ids), ("stem_input_ids", stem_input_ids)):
+            if isinstance(given, torch.Tensor) and not given.is_floating_point():
+                check_token_ids(given, self.config.vocab_size, name)
+        with self.model.ids_checked():  # the prompt's ids, once; the steps feed back the model's own choices
+            return super().generate(inputs, *args, **kwargs)
 
     @takes_cache
     def prepare_inputs_for_generation(

@@ -134,10 +134,17 @@ def test_peft_prompt_tuning_trains_and_generates_with_soft_prompts_on_zero_rows(
     assert generated[0, -1] == by_hand[0, -1].argmax()
 
 
-def test_an_out_of_range_id_is_a_clear_error_under_torch_compile():
-    compiled = torch.compile(tiny_model(), backend="eager")
-    with pytest.raises(ValueError, match=r"input_ids holds token id 500, outside \[0, 96\)"):
+def test_an_out_of_range_id_under_torch_compile_fails_and_generate_names_it():
+    # Issue 36: a compiled forward does not check ids (a host sync, and a graph break under fullgraph=True); the lookup
+    # fails as Llama's does. generate checks its prompt before any compiled step.
+    model = tiny_model()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises((IndexError, RuntimeError), match="index out of range"):
         compiled(torch.tensor([[1, 500]]))
+    with pytest.raises(ValueError, match=r"input_ids holds token id 500, outside \[0, 96\)"):
+        model.generate(torch.tensor([[1, 500]]), max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"input_ids holds token id 500, outside \[0, 96\)"):
+        model(torch.tensor([[1, 500]]))  # an eager forward still checks
 
 
 def _plan_matches(plan: dict, names: set[str]) -> dict:

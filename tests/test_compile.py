@@ -1,0 +1,122 @@
+"""torch.compile and host syncs: a forward with resident tables compiles whole (`fullgraph=True`) for inference and
+training and matches eager; static-cache compiled greedy decoding gives eager's tokens; a decoding step makes no host
+sync; token ids are checked once per user input, not once per generated token."""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+
+from stem_hf import modeling_stem
+from tests.conftest import TINY, sensitive_model
+
+
+def _ids(seed: int = 0, shape=(2, 12)) -> torch.Tensor:
+    return torch.randint(3, TINY["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.slow
+def test_fullgraph_compile_matches_eager_in_inference_and_training():
+    model = sensitive_model()
+    ids = _ids()
+    compiled = torch.compile(model, fullgraph=True)  # any graph break raises
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    model.train()
+    eager_loss = model(ids, labels=ids).loss
+    eager_loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, eager[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert eager["model.stem_tables.1.weight"].abs().sum() > 0  # the tables did get gradients
+
+
+@pytest.mark.slow
+def test_static_cache_compiled_greedy_decoding_gives_eager_tokens():
+    model = sensitive_model()
+    ids = _ids(1, (2, 7))
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    eager = model.generate(ids, **settings)
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
+    compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config, **settings)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **settings), eager)
+
+
+@contextmanager
+def _counting_syncs(counts: list[int], inside: list[bool]):
+    """Counts into `counts[-1]`, while `inside[0]`, the calls that copy a tensor's values to the host (`item`,
+    `tolist`, `__bool__`, `__int__`, `__float__`): a host sync each on an accelerator."""
+    names = ("item", "tolist", "__bool__", "__int__", "__float__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counted(original):
+        def call(self, *args, **kwargs):
+            if inside[0] and self.numel() > 0:
+                counts[-1] += 1
+            return original(self, *args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _syncs_per_forward(model, ids, steps: int = 4) -> list[int]:
+    """Host syncs inside each forward of a greedy `generate` (not generate's own stopping check between forwards)."""
+    counts: list[int] = []
+    inside = [False]
+    pre = model.register_forward_pre_hook(lambda *_: counts.append(0) or inside.__setitem__(0, True))
+    post = model.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    with _counting_syncs(counts, inside):
+        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    pre.remove()
+    post.remove()
+    return counts
+
+
+def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense():
+    model = sensitive_model()
+    config = {k: v for k, v in TINY.items()}
+    dense = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    ids = _ids(2, (1, 6))
+    stem, llama = _syncs_per_forward(model, ids), _syncs_per_forward(dense, ids)
+    assert len(stem) == len(llama) == 4  # the prefill, then 3 decoding steps
+    assert stem[1:] == [0, 0, 0], stem
+    assert stem == llama, (stem, llama)
+
+
+def test_ids_are_checked_once_per_user_input_and_a_bad_prompt_is_still_refused(monkeypatch):
+    model = sensitive_model()
+    calls = []
+    original = modeling_stem.check_token_ids
+    monkeypatch.setattr(
+        modeling_stem, "check_token_ids", lambda ids, v, name: calls.append(name) or original(ids, v, name)
+    )
+    ids = _ids(3, (1, 5))
+    model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert calls == ["input_ids"]  # the prompt, once; none for the 6 tokens generated
+    calls.clear()
+    model.generate(ids, stem_input_ids=ids.flip(1), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert calls == ["input_ids", "stem_input_ids"]
+    with torch.no_grad():
+        model(ids)
+    assert calls[-1] == "input_ids"  # a plain forward still checks its input
+    bad = ids.clone()
+    bad[0, 2] = TINY["vocab_size"]
+    with pytest.raises(ValueError, match=f"input_ids holds token id {TINY['vocab_size']}, outside"):
+        model.generate(bad, max_new_tokens=2)
+    with pytest.raises(ValueError, match="stem_input_ids holds token id -1"):
+        model.generate(ids, stem_input_ids=ids * 0 - 1, max_new_tokens=2)
+    assert model.model.check_ids  # back on after generate, even one that raised
