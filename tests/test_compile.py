@@ -1,7 +1,8 @@
-"""torch.compile and host syncs: a forward with resident tables compiles whole (`fullgraph=True`) for inference and
+"""torch.compile, host syncs and ops: a forward with resident tables compiles whole (`fullgraph=True`) for inference and
 training and matches eager; static-cache compiled greedy decoding gives eager's tokens; a decoding step makes no host
 sync; token ids are checked once per user input, not once per generated token."""
 
+from collections import Counter
 from contextlib import contextmanager
 
 import pytest
@@ -120,3 +121,37 @@ def test_ids_are_checked_once_per_user_input_and_a_bad_prompt_is_still_refused(m
     with pytest.raises(ValueError, match="stem_input_ids holds token id -1"):
         model.generate(ids, stem_input_ids=ids * 0 - 1, max_new_tokens=2)
     assert model.model.check_ids  # back on after generate, even one that raised
+
+
+# The ops that compute, gather, copy or cast (views and allocations follow from these).
+_COMPUTE_OPS = tuple(
+    f"aten::{op}"
+    for op in ("embedding", "index_select", "linear", "mm", "bmm", "mul", "silu", "_to_copy", "copy_", "clone", "cat")
+)
+
+
+def _op_counts(model, ids) -> Counter:
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(ids)
+    return Counter(event.name for event in prof.events() if event.name.startswith("aten::"))
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "table_dtype"), [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")]
+)
+def test_a_stem_forward_is_a_dense_one_with_each_up_projection_replaced_by_one_gather(model_dtype, table_dtype):
+    """Against Llama of the same shape, op by op: each STEM layer drops one matrix product and adds one row gather,
+    and nothing else; rows are cast (one copy of the [tokens, d_ff] rows, never of a table) only where the tables are
+    stored in another dtype than the model computes in."""
+    model = sensitive_model(table_dtype=table_dtype).to(getattr(torch, model_dtype))
+    dense = LlamaForCausalLM(LlamaConfig(**TINY)).eval().to(getattr(torch, model_dtype))
+    ids = _ids(4)
+    with model.model.ids_checked():  # the id check, once per user input, is not part of the layers
+        stem = _op_counts(model, ids)
+    n = len(model.config.stem_layers)
+    expected = {"aten::embedding": n, "aten::index_select": n, "aten::linear": -n, "aten::mm": -n}
+    if table_dtype != model_dtype:
+        expected.update({"aten::_to_copy": n, "aten::copy_": n})
+    dense_ops = _op_counts(dense, ids)
+    diff = {op: stem[op] - dense_ops[op] for op in _COMPUTE_OPS if stem[op] != dense_ops[op]}
+    assert diff == expected
