@@ -16,6 +16,9 @@ With one:
    placement and peak while decoding) of each; copy/compute overlap of the engine's side stream (host-to-device copy
    alone, the engine's gather + copy alone, a GEMM workload alone, and both together); and a chunked prefill planned
    ahead (`engine.plan`, the background gather thread) against the same prefill served forward by forward.
+3. `benchmarks/bench_gpu.py` in a subprocess, with what is left of the budget: STEM against a dense Llama at a 0.75B
+   shape (prefill, train step with its optimizer, decode; resident, host and engine tables), each ratio beside its
+   FLOP prediction (`docs/gpu.md`).
 
 Every part is time-boxed (`--budget-s`, default 570 s: the whole check stays under 10 minutes); a part that would not
 fit is reported as skipped, and a watchdog prints what was measured so far if the budget runs out anyway. `parts` in
@@ -463,6 +466,7 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
         decode["int8_token_agreement"] = {
             str(b): (ref[b][:, 128:] == got[b][:, 128:]).float().mean().item() for b in prompts
         }
+    part("bench_gpu", 90, lambda: bench.update(bench_gpu=bench_gpu(deadline, quick)))
     host = decode.get("host_tables", {})
     for name in ("offload_no_cache", "offload_cache_4096", "offload_int8_cache_4096", "resident"):
         if name in decode and host:
@@ -472,6 +476,26 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
                 if b.startswith("batch_")
             }
     return ok
+
+
+def bench_gpu(deadline: float, quick: bool) -> dict:
+    """`benchmarks/bench_gpu.py` (STEM against dense Llama at the 0.75B shape) in a subprocess, within what is left of
+    the budget; its JSON, partial if the time ran out (`complete` says)."""
+    out = os.path.join(REPO, "benchmarks/results/bench_gpu.json")
+    command = [sys.executable, os.path.join(REPO, "benchmarks/bench_gpu.py"), "--out", out]
+    if quick:
+        command += ["--repeats", "2", "--seq-len", "512", "--new-tokens", "16", "--decode-batches", "1,16"]
+    timeout = deadline - time.monotonic() - 20
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(out)  # a result left by an earlier run must not pass for this one's
+    try:
+        subprocess.run(command, cwd=REPO, timeout=timeout, check=True, stdout=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        log(f"bench_gpu: stopped after {timeout:.0f} s; keeping the parts it finished")
+    if not os.path.exists(out):
+        raise RuntimeError("bench_gpu.py saved no result")
+    with open(out) as f:
+        return json.load(f)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

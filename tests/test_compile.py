@@ -2,6 +2,10 @@
 training and matches eager; static-cache compiled greedy decoding gives eager's tokens; a decoding step makes no host
 sync; token ids are checked once per user input, not once per generated token."""
 
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from contextlib import contextmanager
 
@@ -155,3 +159,27 @@ def test_a_stem_forward_is_a_dense_one_with_each_up_projection_replaced_by_one_g
     dense_ops = _op_counts(dense, ids)
     diff = {op: stem[op] - dense_ops[op] for op in _COMPUTE_OPS if stem[op] != dense_ops[op]}
     assert diff == expected
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its_prediction(tmp_path):
+    """`benchmarks/bench_gpu.py` end to end at a tiny shape on the CPU (host and engine cases need an accelerator):
+    the JSON it saves holds every part, each speedup next to the FLOP-predicted one, compiled decoding's tokens."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench_gpu.json"
+    command = [sys.executable, os.path.join(root, "benchmarks/bench_gpu.py"), "--device", "cpu", "--shape", "tiny",
+               "--batch-size", "2", "--seq-len", "16", "--repeats", "1", "--decode-batches", "1,2", "--prompt-len",
+               "8", "--new-tokens", "3", "--compile", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["device"] == "cpu"
+    for spec in ("1/3", "1/2", "full"):
+        row = report["prefill"][spec]
+        assert row["predicted_speedup"] > 1 and {"uniform", "zipf", "compiled"} <= row.keys()
+        assert row["uniform"]["speedup"] > 0 and row["compiled"]["speedup"] > 0
+    for spec in ("1/2", "full"):
+        row = report["train"][spec]
+        assert row["predicted_speedup"] > 1 and row["adamw"]["ms"] > 0 and row["row_sparse_adamw"]["ms"] > 0
+    for batch in ("batch_1", "batch_2"):
+        assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True

@@ -1,0 +1,309 @@
+"""STEM against a dense Llama of the same shape on one accelerator, side by side in one process: prefill, a train step
+with its optimizer, and greedy decode; tables resident on the device, in host memory (the model's own gather) and
+served by `StemOffloadEngine`; uniform and Zipf-distributed ids. Every ratio sits next to the speedup that FLOPs
+predict (`accounting.flops_per_token`). Medians of `--repeats` runs after a warm-up. Saves JSON.
+
+    python benchmarks/bench_gpu.py                                   # CUDA, the 0.75B shape: a few minutes on one H100
+    python benchmarks/bench_gpu.py --device cpu --shape small --compile --out benchmarks/results/bench_gpu_cpu.json
+
+Models are built on the device in bf16 (tables too), never initialized on the host. `gpu_check.sh` runs it.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+
+from stem_hf import StemConfig, StemForCausalLM
+from stem_hf.accounting import flops_per_token
+from stem_hf.offload import StemOffloadEngine
+from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
+
+SHAPES = {
+    "0.75b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16),
+    "small": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4),
+}
+VOCAB = {"0.75b": 32000, "small": 8192, "tiny": 512}
+SPECS = ("1/3", "1/2", "full")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall seconds of `fn` over `repeats` runs after one warm-up, the device synchronized around each."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def token_ids(kind: str, shape: tuple[int, int], vocab: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """`uniform` ids, or `zipf` ids (frequency of rank r proportional to 1/r^1.1, as text's tokens roughly are)."""
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        ids = torch.randint(0, vocab, shape, generator=generator)
+    else:
+        weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.1
+        ids = torch.multinomial(weights, shape[0] * shape[1], replacement=True, generator=generator).view(shape)
+    return ids.to(device)
+
+
+def config_kwargs(shape: str) -> dict:
+    return dict(
+        **SHAPES[shape],
+        vocab_size=VOCAB[shape],
+        num_key_value_heads=SHAPES[shape]["num_attention_heads"],
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def build(shape: str, spec: str | None, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """A dense Llama (`spec` None) or a STEM model, random, in `dtype` (tables too), built on `device` with its tables
+    resident."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        if spec is None:
+            model = LlamaForCausalLM(LlamaConfig(**config_kwargs(shape)))
+        else:
+            config = StemConfig(**config_kwargs(shape), stem_layers=spec, table_dtype=str(dtype).removeprefix("torch."))
+            config.keep_tables_on_cpu = False
+            model = StemForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def to_host(model) -> None:
+    """Tables into host memory, where `keep_tables_on_cpu` keeps them; the dense part stays on the device."""
+    model.config.keep_tables_on_cpu = True
+    model.model.stem_tables.to("cpu")
+
+
+def free() -> None:
+    """Returns the device memory of models the caller has dropped."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def predicted(config: StemConfig, context: float) -> float:
+    """The speedup over dense that forward FLOPs per token predict (a train step scales the same way)."""
+    return flops_per_token(config, context, dense=True) / flops_per_token(config, context)
+
+
+def prefill(model, ids: torch.Tensor, repeats: int, device: torch.device) -> float:
+    with torch.inference_mode():
+        return median_s(lambda: model(ids), repeats, device)
+
+
+def train_step_s(model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer) -> float:
+    """A train step: forward and loss, backward, the optimizer's step."""
+    model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    seconds = median_s(step, repeats, device)
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return seconds
+
+
+class StepClock:
+    """Stamps when each generation step's logits are ready: the first stamp ends the prefill, the rest are decode
+    steps, so a decode step's time is one measurement."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def decode_step_s(model, prompt: torch.Tensor, new: int, repeats: int, device: torch.device, **kwargs) -> tuple:
+    """Median seconds per greedy decode step, and the tokens generated."""
+    steps = []
+    for run in range(repeats + 1):  # run 0 warms up (and compiles)
+        clock = StepClock(device)
+        greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        clocked = LogitsProcessorList([clock])
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), logits_processor=clocked, **greedy, **kwargs
+        )
+        if run:
+            steps.append((clock.times[-1] - clock.times[0]) / (len(clock.times) - 1))
+    return statistics.median(steps), out.cpu()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="0.75b", choices=sorted(SHAPES))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-batches", default="1,16,64")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd prefill, and static-cache "
+                        "compiled decoding")  # fmt: skip
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, train, decode")
+    parser.add_argument("--out", default="benchmarks/results/bench_gpu.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    skip = set(filter(None, args.skip.split(",")))
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "complete": False}  # fmt: skip
+    for name, run in (("prefill", run_prefill), ("train", run_train), ("decode", run_decode)):
+        if name not in skip:
+            report[name] = run(args, device)
+            save(report, args.out)  # after each part: a run stopped by a time limit keeps what it measured
+    report["complete"] = True
+    save(report, args.out)
+    print(json.dumps(report, indent=2))
+
+
+def save(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(report, indent=2) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def run_prefill(args, device: torch.device) -> dict:
+    """Forward of batch x seq tokens: dense, then each STEM ratio resident, host (1/2 and full) and engine (1/2)."""
+    shape, compiled = (args.batch_size, args.seq_len), None
+    ids = {kind: token_ids(kind, shape, VOCAB[args.shape], device) for kind in ("uniform", "zipf")}
+    dense = build(args.shape, None, device, getattr(torch, args.dtype))
+    dense_s = {kind: prefill(dense, x, args.repeats, device) for kind, x in ids.items()}
+    if args.compile:
+        compiled = torch.compile(dense, fullgraph=True)
+        dense_s["compiled"] = prefill(compiled, ids["uniform"], args.repeats, device)
+    del dense, compiled
+    free()
+    out = {"dense_ms": {k: round(v * 1e3, 3) for k, v in dense_s.items()}}
+    for spec in tqdm(SPECS, desc="prefill"):
+        model = build(args.shape, spec, device, getattr(torch, args.dtype))
+        context = (args.seq_len + 1) / 2
+        row = {"predicted_speedup": round(predicted(model.config, context), 3)}
+        for kind, x in ids.items():
+            resident = prefill(model, x, args.repeats, device)
+            row[kind] = {"resident_ms": round(resident * 1e3, 3), "speedup": round(dense_s[kind] / resident, 3)}
+        if args.compile:
+            compiled = prefill(torch.compile(model, fullgraph=True), ids["uniform"], args.repeats, device)
+            row["compiled"] = {"ms": round(compiled * 1e3, 3), "speedup": round(dense_s["compiled"] / compiled, 3)}
+        if spec != "1/3" and device.type != "cpu":
+            to_host(model)
+            for kind, x in ids.items():
+                host = prefill(model, x, args.repeats, device)
+                row[kind]["host_ms"] = round(host * 1e3, 3)
+                row[kind]["host_vs_resident"] = round(row[kind]["resident_ms"] / (host * 1e3), 3)
+                if spec == "1/2":
+                    with StemOffloadEngine(model, device=device).attach():
+                        engine = prefill(model, x, args.repeats, device)
+                    row[kind]["engine_ms"] = round(engine * 1e3, 3)
+                    row[kind]["engine_vs_resident"] = round(row[kind]["resident_ms"] / (engine * 1e3), 3)
+        del model
+        free()
+        out[spec] = row
+    return out
+
+
+def run_train(args, device: torch.device) -> dict:
+    """A train step with AdamW (dense, each ratio), RowSparseAdamW with sparse table gradients (StemTrainer's fast
+    path), and AdamW with host tables (1/2)."""
+    ids = token_ids("uniform", (args.batch_size, args.seq_len), VOCAB[args.shape], device)
+    dense = build(args.shape, None, device, getattr(torch, args.dtype))
+    dense_s = train_step_s(dense, ids, args.repeats, device, torch.optim.AdamW(dense.parameters(), lr=1e-5))
+    del dense
+    free()
+    out = {"dense_adamw_ms": round(dense_s * 1e3, 3)}
+    for spec in tqdm(("1/2", "full"), desc="train"):
+        model = build(args.shape, spec, device, getattr(torch, args.dtype))
+        row = {"predicted_speedup": round(predicted(model.config, (args.seq_len + 1) / 2), 3)}
+        adamw = train_step_s(model, ids, args.repeats, device, torch.optim.AdamW(model.parameters(), lr=1e-5))
+        row["adamw"] = {"ms": round(adamw * 1e3, 3), "speedup": round(dense_s / adamw, 3)}
+        use_sparse_table_grads(model)  # train() made the tables float32, which sparse gradients need
+        sparse = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True))
+        row["row_sparse_adamw"] = {"ms": round(train_step_s(model, ids, args.repeats, device, sparse) * 1e3, 3)}
+        row["row_sparse_adamw"]["speedup"] = round(dense_s * 1e3 / row["row_sparse_adamw"]["ms"], 3)
+        use_sparse_table_grads(model, enable=False)
+        if spec == "1/2" and device.type != "cpu":
+            to_host(model)
+            host = train_step_s(model, ids, args.repeats, device, torch.optim.AdamW(model.parameters(), lr=1e-5))
+            row["host_adamw"] = {"ms": round(host * 1e3, 3), "vs_resident": round(adamw / host, 3)}
+        del model, sparse
+        free()
+        out[spec] = row
+    return out
+
+
+def run_decode(args, device: torch.device) -> dict:
+    """Greedy decode of `--new-tokens` after a `--prompt-len` prompt, per batch: dense, STEM-1/2 resident, host, and
+    engine with a row cache; static-cache compiled decoding with `--compile`. Tokens are compared with resident's."""
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    prompts = {b: token_ids("zipf", (b, args.prompt_len), VOCAB[args.shape], device, seed=b) for b in batches}
+    compiled = None
+    if args.compile:
+        compile_config = CompileConfig(fullgraph=True)
+        compile_config._compile_all_devices = device.type == "cpu"  # transformers compiles on accelerators only
+        compiled = {"cache_implementation": "static", "compile_config": compile_config}
+
+    def per_batch(model, **kwargs) -> dict:
+        return {b: decode_step_s(model, p, args.new_tokens, args.repeats, device, **kwargs) for b, p in prompts.items()}
+
+    dense = build(args.shape, None, device, getattr(torch, args.dtype))
+    dense_steps = per_batch(dense)
+    dense_static = per_batch(dense, **compiled) if compiled else {}
+    del dense
+    free()
+    model = build(args.shape, "1/2", device, getattr(torch, args.dtype))
+    context = args.prompt_len + args.new_tokens / 2
+    runs = {"resident": per_batch(model)}
+    if compiled:
+        runs["static_compiled"] = per_batch(model, **compiled)
+    if device.type != "cpu":
+        to_host(model)
+        runs["host"] = per_batch(model)
+        with StemOffloadEngine(model, cache_tokens=4096, device=device).attach():
+            runs["engine"] = per_batch(model)
+    out = {"predicted_speedup": round(predicted(model.config, context), 3)}
+    del model
+    free()
+    for b in batches:
+        row = {"dense_step_ms": round(dense_steps[b][0] * 1e3, 3)}
+        for name, results in runs.items():
+            step, tokens = results[b]
+            base = dense_static[b][0] if name == "static_compiled" else dense_steps[b][0]
+            row[name] = {"step_ms": round(step * 1e3, 3), "speedup": round(base / step, 3)}
+            if name != "resident":
+                row[name]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][b][1]))
+        out[f"batch_{b}"] = row
+    return out
+
+
+if __name__ == "__main__":
+    main()
