@@ -3,6 +3,7 @@ accumulation equals a full batch, gradient checkpointing, bf16 autocast, resume 
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -348,3 +349,46 @@ def test_build_optimizer_plugs_into_a_plain_trainer(tmp_path):
     groups = {g["name"]: g for g in optimizer.param_groups}
     assert groups["decay"]["weight_decay"] == 0.05 and groups["tables"]["row_sparse"]
     assert int(optimizer.state[model.model.stem_tables["1"].weight]["rows_seen"]) > 0
+
+
+def _largest_tensors(model, ids, optimizer) -> set[tuple[int, ...]]:
+    """The shapes of the dense tensors a train step's backward and optimizer step allocate (aten outputs seen by a
+    dispatch mode, views and in-place results on the parameters left out): a `[vocab, d_ff]` gradient or optimizer
+    state shows up here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes, params = set(), {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+                    if tensor.untyped_storage().data_ptr() not in params:
+                        shapes.add(tuple(tensor.shape))
+            return out
+
+    loss = model(input_ids=ids, labels=ids).loss
+    with Shapes():
+        loss.backward()
+        optimizer.step()
+    return shapes
+
+
+@pytest.mark.parametrize("vocab", [96, 384])
+def test_sparse_table_grads_never_build_a_vocab_by_d_ff_tensor(vocab):
+    """With sparse table gradients and RowSparseAdamW (StemTrainer's sparse path), neither backward nor the step
+    makes a dense `[vocab, d_ff]` tensor, at two vocabulary sizes; with dense gradients, backward does."""
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))  # 37 distinct rows at most
+    full = (vocab, 64)
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        model = tiny_model(vocab_size=vocab).train()  # float32 tables
+        use_sparse_table_grads(model, enable=sparse)
+        optimizer = RowSparseAdamW(param_groups(model, 1e-3, row_sparse_tables=True))
+        shapes = _largest_tensors(model, ids, optimizer)
+        assert (full in shapes) is not sparse, (sparse, sorted(shapes, key=math.prod)[-3:])
+        if sparse:
+            rows = max(shape[0] for shape in shapes if len(shape) == 2 and shape[1] == 64)
+            # The batch's rows, or RowSparseAdamW's slots for them (at least 64, up to 2x the rows seen): not vocab.
+            assert rows <= max(64, 2 * len(ids.unique())) < vocab
