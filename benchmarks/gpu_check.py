@@ -466,7 +466,7 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
         decode["int8_token_agreement"] = {
             str(b): (ref[b][:, 128:] == got[b][:, 128:]).float().mean().item() for b in prompts
         }
-    part("bench_gpu", 90, lambda: bench.update(bench_gpu=bench_gpu(deadline, quick)))
+    part("bench_gpu", 90, lambda: bench_gpu(deadline, quick, bench))
     host = decode.get("host_tables", {})
     for name in ("offload_no_cache", "offload_cache_4096", "offload_int8_cache_4096", "resident"):
         if name in decode and host:
@@ -478,9 +478,10 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
     return ok
 
 
-def bench_gpu(deadline: float, quick: bool) -> dict:
+def bench_gpu(deadline: float, quick: bool, bench: dict) -> None:
     """`benchmarks/bench_gpu.py` (STEM against dense Llama at the 0.75B shape) in a subprocess, within what is left of
-    the budget; its JSON, partial if the time ran out (`complete` says)."""
+    the budget, into `bench["bench_gpu"]`: its JSON, partial if the time ran out (`complete` says). A run that fails
+    keeps the parts it saved, with the error, and raises."""
     out = os.path.join(REPO, "benchmarks/results/bench_gpu.json")
     command = [sys.executable, os.path.join(REPO, "benchmarks/bench_gpu.py"), "--out", out]
     if quick:
@@ -488,14 +489,22 @@ def bench_gpu(deadline: float, quick: bool) -> dict:
     timeout = deadline - time.monotonic() - 20
     with contextlib.suppress(FileNotFoundError):
         os.remove(out)  # a result left by an earlier run must not pass for this one's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    failure = None
     try:
-        subprocess.run(command, cwd=REPO, timeout=timeout, check=True, stdout=subprocess.DEVNULL)
+        run = subprocess.run(command, cwd=REPO, timeout=timeout, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+        if run.returncode != 0:
+            failure = f"bench_gpu.py: exit status {run.returncode}: {run.stderr[-2000:]}"
     except subprocess.TimeoutExpired:
         log(f"bench_gpu: stopped after {timeout:.0f} s; keeping the parts it finished")
-    if not os.path.exists(out):
-        raise RuntimeError("bench_gpu.py saved no result")
-    with open(out) as f:
-        return json.load(f)
+    if os.path.exists(out):
+        with open(out) as f:
+            bench["bench_gpu"] = json.load(f)
+    elif failure is None:
+        failure = "bench_gpu.py saved no result: no part finished in time"
+    if failure:
+        raise RuntimeError(failure)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

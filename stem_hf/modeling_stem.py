@@ -10,6 +10,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Protocol
 
 import torch
@@ -301,6 +302,10 @@ class StemDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+# The models whose forwards skip the id check here (`StemModel.ids_checked`): per thread and task.
+_IDS_CHECKED: ContextVar[frozenset[int]] = ContextVar("stem_hf_ids_checked", default=frozenset())
+
+
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
     """Raises if `ids` holds an id outside `[0, vocab_size)`. On a GPU an out-of-range gather is a device-side assert
     that kills the process, so the check runs before any lookup: one host sync, once per user input."""
@@ -392,18 +397,18 @@ class StemModel(StemPreTrainedModel):
         self.norm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = StemRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
-        self.check_ids = True  # see `ids_checked`
         self.post_init()
 
     @contextmanager
     def ids_checked(self) -> Iterator[None]:
-        """Forwards inside skip the token-id check and its host sync: `generate` checks the prompt once, and every id
-        it feeds back is one the model itself chose from its vocabulary."""
-        previous, self.check_ids = self.check_ids, False
+        """This model's forwards inside skip the token-id check and its host sync: `generate` checks the prompt and
+        the pad id once, and every other id it feeds back is one the model chose from its vocabulary. Per thread
+        and task (a context variable): a `generate` never unchecks another thread's forwards."""
+        token = _IDS_CHECKED.set(_IDS_CHECKED.get() | {id(self)})
         try:
             yield
         finally:
-            self.check_ids = previous
+            _IDS_CHECKED.reset(token)
 
     def set_row_source(self, source: StemRowSource | None) -> StemRowSource | None:
         """Serves the table rows of later forwards from `source` (None: this model's tables). Returns the source it
@@ -466,7 +471,7 @@ class StemModel(StemPreTrainedModel):
             raise ValueError(f"{given} has shape {shape}: no position to run; give at least one token")
         # Under torch.compile a check would be a graph break or a sync in the graph: compiled callers check their ids
         # (generate does, once per prompt).
-        checking = self.check_ids and not torch.compiler.is_compiling()
+        checking = not torch.compiler.is_compiling() and id(self) not in _IDS_CHECKED.get()
         if input_ids is not None and checking:
             check_token_ids(input_ids, self.config.vocab_size, "input_ids")
         if stem_input_ids is None:
@@ -554,11 +559,22 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
                     f"stem_input_ids has shape {tuple(stem_input_ids.shape)} but the prompt has (batch_size, length) "
                     f"= {tuple(prompt.shape[:2])}: give one table id per prompt position"
                 )
-        for name, given in (("input_ids", ids), ("stem_input_ids", stem_input_ids)):
+        for name, given in (("input_ids", ids), ("stem_input_ids", stem_input_ids), *self._fed_back_ids(kwargs)):
             if isinstance(given, torch.Tensor) and not given.is_floating_point():
                 check_token_ids(given, self.config.vocab_size, name)
         with self.model.ids_checked():  # the prompt's ids, once; the steps feed back the model's own choices
             return super().generate(inputs, *args, **kwargs)
+
+    def _fed_back_ids(self, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+        """The id `generate` feeds back for finished sequences, which the model did not choose: `pad_token_id`, or
+        the first `eos_token_id` where there is none."""
+        config = kwargs.get("generation_config") or self.generation_config
+        pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        name = "pad_token_id"
+        if pad is None:
+            pad, name = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None)), "eos_token_id"
+        pad = pad[0] if isinstance(pad, (list, tuple)) and pad else pad
+        return [] if not isinstance(pad, int) else [(f"generate's {name}", torch.tensor([pad]))]
 
     @takes_cache
     def prepare_inputs_for_generation(

@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections import Counter
 from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from stem_hf import modeling_stem
 from tests.conftest import TINY, sensitive_model
@@ -54,28 +55,37 @@ def test_static_cache_compiled_greedy_decoding_gives_eager_tokens():
     assert torch.equal(model.generate(ids, cache_implementation="static", **settings), eager)
 
 
+# aten ops whose result the host must wait for on an accelerator: a value read out (`item`, `bool`, `int` go through
+# `_local_scalar_dense`), or an output whose size depends on the values.
+_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
+                "equal", "is_nonzero", "repeat_interleave"}  # fmt: skip
+
+
 @contextmanager
 def _counting_syncs(counts: list[int], inside: list[bool]):
-    """Counts into `counts[-1]`, while `inside[0]`, the calls that copy a tensor's values to the host (`item`,
-    `tolist`, `__bool__`, `__int__`, `__float__`): a host sync each on an accelerator."""
-    names = ("item", "tolist", "__bool__", "__int__", "__float__")
-    originals = {name: getattr(torch.Tensor, name) for name in names}
+    """Counts into `counts[-1]`, while `inside[0]`, the host syncs: syncing aten ops (seen by a dispatch mode) and
+    `tolist` (which on the CPU reads the values without one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def counted(original):
-        def call(self, *args, **kwargs):
-            if inside[0] and self.numel() > 0:
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if inside[0] and func.overloadpacket.__name__ in _SYNCING_OPS:
                 counts[-1] += 1
-            return original(self, *args, **kwargs)
+            return func(*args, **(kwargs or {}))
 
-        return call
+    tolist = torch.Tensor.tolist
 
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, counted(original))
+    def counted(self, *args, **kwargs):
+        if inside[0] and self.numel() > 0:
+            counts[-1] += 1
+        return tolist(self, *args, **kwargs)
+
+    torch.Tensor.tolist = counted
     try:
-        yield
+        with Syncs():
+            yield
     finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+        torch.Tensor.tolist = tolist
 
 
 def _syncs_per_forward(model, ids, steps: int = 4) -> list[int]:
@@ -111,10 +121,10 @@ def test_ids_are_checked_once_per_user_input_and_a_bad_prompt_is_still_refused(m
     )
     ids = _ids(3, (1, 5))
     model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert calls == ["input_ids"]  # the prompt, once; none for the 6 tokens generated
+    assert calls == ["input_ids", "generate's pad_token_id"]  # once each; none for the 6 tokens generated
     calls.clear()
     model.generate(ids, stem_input_ids=ids.flip(1), max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert calls == ["input_ids", "stem_input_ids"]
+    assert calls == ["input_ids", "stem_input_ids", "generate's pad_token_id"]
     with torch.no_grad():
         model(ids)
     assert calls[-1] == "input_ids"  # a plain forward still checks its input
@@ -124,14 +134,73 @@ def test_ids_are_checked_once_per_user_input_and_a_bad_prompt_is_still_refused(m
         model.generate(bad, max_new_tokens=2)
     with pytest.raises(ValueError, match="stem_input_ids holds token id -1"):
         model.generate(ids, stem_input_ids=ids * 0 - 1, max_new_tokens=2)
-    assert model.model.check_ids  # back on after generate, even one that raised
+
+
+def test_an_out_of_range_pad_id_that_generate_would_feed_back_is_refused():
+    model = sensitive_model()
+    ids = _ids(5, (2, 4))
+    eos = int(ids[0, -1])  # the first row stops at once, and is padded with the pad id after that
+    with pytest.raises(ValueError, match="generate's pad_token_id holds token id 200, outside"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=eos, pad_token_id=200)
+    with pytest.raises(ValueError, match="generate's eos_token_id holds token id 300"):  # no pad: eos is fed back
+        model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=[300, eos], pad_token_id=None)
+
+
+class _Raise(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise RuntimeError("stopped from inside generate")
+
+
+class _Barrier(StoppingCriteria):
+    """Holds each decoding step until the other thread's generate has reached one too."""
+
+    def __init__(self, barrier):
+        self.barrier = barrier
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.barrier.wait(timeout=30)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_forwards_check_ids_again_after_generate_raises_inside_and_in_other_threads_meanwhile():
+    model = sensitive_model()
+    bad = torch.tensor([[1, TINY["vocab_size"]]])
+    with pytest.raises(RuntimeError, match="stopped from inside generate"):
+        model.generate(_ids(6, (1, 4)), max_new_tokens=3, stopping_criteria=StoppingCriteriaList([_Raise()]))
+    with pytest.raises(ValueError, match="outside"):
+        model(bad)
+    # Two generates in two threads overlap step by step (exits not nested), and a third thread's forward meanwhile.
+    barrier, errors = threading.Barrier(3), []
+
+    def generate():
+        criteria = StoppingCriteriaList([_Barrier(barrier)])
+        model.generate(_ids(7, (1, 4)), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
+                       stopping_criteria=criteria)  # fmt: skip
+
+    def forward():
+        for _ in range(3):
+            barrier.wait(timeout=30)
+            try:
+                model(bad)
+            except ValueError:
+                errors.append("checked")
+
+    threads = [threading.Thread(target=generate), threading.Thread(target=generate), threading.Thread(target=forward)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == ["checked"] * 3  # another thread's generate never turned this thread's check off
+    with pytest.raises(ValueError, match="outside"):
+        model(bad)
 
 
 # The ops that compute, gather, copy or cast (views and allocations follow from these).
 _COMPUTE_OPS = tuple(
     f"aten::{op}"
-    for op in ("embedding", "index_select", "linear", "mm", "bmm", "mul", "silu", "_to_copy", "copy_", "clone", "cat")
-)
+    for op in ("embedding", "index_select", "index", "gather", "index_put_", "index_add_", "scatter", "linear", "mm",
+               "bmm", "mul", "add", "silu", "where", "constant_pad_nd", "_to_copy", "copy_", "clone", "cat", "stack")
+)  # fmt: skip
 
 
 def _op_counts(model, ids) -> Counter:

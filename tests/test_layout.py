@@ -109,6 +109,7 @@ def test_remote_code_imports_only_what_transformers_model_files_do(file):
 STDLIB = (
     "collections",
     "contextlib",
+    "contextvars",
     "ctypes",
     "dataclasses",
     "functools",
