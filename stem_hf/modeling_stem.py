@@ -533,8 +533,9 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """`GenerationMixin.generate`, after checking that `stem_input_ids` gives one id per prompt position (the
         prompt being `inputs_embeds` when given, else `inputs`/`input_ids`): a shorter or longer one would shift every
-        later lookup. With `inputs_embeds` on a model with STEM layers, `stem_input_ids` is required. A cache of the
-        caller's goes by either name (`cache` or `past_key_values`) under every supported transformers."""
+        later lookup. With `inputs_embeds` on a model with STEM layers, `stem_input_ids` is required. Token ids (the
+        prompt's, `stem_input_ids`, the pad id fed back) are checked here, once, not by each step's forward. A cache of
+        the caller's goes by either name (`cache` or `past_key_values`) under every supported transformers."""
         kwargs = rename_cache(kwargs, CACHE_ARG, "generate")
         stem_input_ids = kwargs.get("stem_input_ids")
         embeds = kwargs.get("inputs_embeds")
