@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stem-hf-installed
 
-.PHONY: test test-oldest test-5.23 check-newest demo lint clean
+.PHONY: test test-fast test-oldest test-5.23 check-newest demo lint clean
 
 # torch first, pinned, so that no resolver pulls a CUDA build: 2.13.0 is the newest CPU wheel the package index here
 # serves (its newer torch releases are CUDA builds only, gigabytes each). Then the project editable with every extra.
@@ -19,6 +19,10 @@ $(STAMP): setup.cfg pyproject.toml
 # The whole suite, on the newest transformers that setup.cfg admits (pip takes it when it makes .venv).
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The fast loop while working: every test but those marked slow (real SmolLM2 conversions, subprocesses, compiles).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The tests of the code that ships next to the weights, under another transformers: a venv that sees .venv's packages
 # and shadows transformers alone.

@@ -31,6 +31,7 @@ def test_info_refuses_a_non_stem_config(tmp_path):
         main(["info", str(tmp_path)])
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     result = subprocess.run(  # a relative --out, as `make demo` passes
         [sys.executable, "-m", "stem_hf.cli", "demo", "--tiny", "--out", "demo-out"],
@@ -46,6 +47,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert (tmp_path / "demo-out" / "stem-tiny" / "modeling_stem.py").is_file()
 
 
+@pytest.mark.slow
 def test_the_conversion_demo_runs_on_any_supported_source(tmp_path, capsys):
     """`stem-hf demo --source`: the `make demo` path end to end (convert with the bundled corpus, heal in bf16, save,
     reload with trust_remote_code, compare), on a tiny Llama with a byte tokenizer instead of SmolLM2."""

@@ -174,6 +174,7 @@ def test_a_non_stem_checkpoint_with_its_own_code_is_refused_before_the_code_runs
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_stem_checkpoint_with_planted_code_loads_with_the_package_classes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     folder, marker = tmp_path / "stem", tmp_path / "MARKER"
@@ -193,6 +194,7 @@ def test_a_stem_checkpoint_with_planted_code_loads_with_the_package_classes(tmp_
     assert json.loads((tmp_path / "results.json").read_text())["n-samples"]["stem_facts"]["effective"] == 2
 
 
+@pytest.mark.slow
 def test_a_hub_checkpoint_is_refused_from_its_config_before_its_code_downloads(tmp_path):
     """On a Hub id, config.json is fetched and read as JSON; the repo's code is never fetched. A Hub-shaped id that is
     neither a folder nor a repo says so."""
@@ -281,6 +283,7 @@ def docs(**kwargs):
 """
 
 
+@pytest.mark.slow
 def test_eval_prints_its_results_when_writing_them_fails(tmp_path, capsys):
     checkpoint = tmp_path / "stem"
     tiny_model(vocab_size=BYTE_VOCAB, max_position_embeddings=128).save_pretrained(checkpoint)

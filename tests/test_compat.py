@@ -193,6 +193,7 @@ def test_the_supported_range_is_checked_by_minor_release():
         check_transformers_version()  # the installed release is in range: no warning
 
 
+@pytest.mark.slow
 def test_the_copied_code_warns_under_a_transformers_outside_its_range(tmp_path, saved):
     saved.save_pretrained(tmp_path / "checkpoint")
     # The copied modeling file checks at import: load it, then import it again as if transformers were 5.99.

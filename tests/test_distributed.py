@@ -50,12 +50,14 @@ def _same(a: dict, b: dict) -> None:
         assert abs(value - b["sums"][name][0]) <= 1e-5 * scale + 1e-6, name
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process_on_the_same_global_batch(single, tmp_path):
     ddp = _run(tmp_path, 2, "row_sparse", launch=["--multi_gpu"])
     assert ddp["world_size"] == 2 and "MULTI_CPU" in ddp["distributed_type"]
     _same(ddp, single["row_sparse"])
 
 
+@pytest.mark.slow
 def test_fsdp2_on_cpu_shards_the_tables_like_any_parameter_and_matches_one_process(tmp_path):
     script = os.path.join(ROOT, "tests", "fsdp2_train.py")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

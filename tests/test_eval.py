@@ -58,6 +58,7 @@ def cli_results(checkpoint, tmp_path_factory):
     return json.loads(results_file.read_text())
 
 
+@pytest.mark.slow
 def test_the_lm_eval_cli_runs_every_request_type_on_a_saved_checkpoint(cli_results):
     for task, metric in EXPECTED.items():
         value = cli_results["results"][task][metric]
@@ -69,6 +70,7 @@ def test_the_lm_eval_cli_runs_every_request_type_on_a_saved_checkpoint(cli_resul
     assert cli_results["n-samples"]["stem_prose"]["effective"] == 8
 
 
+@pytest.mark.slow
 def test_the_python_api_on_a_loaded_model_matches_the_cli_and_keeps_tables_mapped(checkpoint, cli_results, tmp_path):
     model, tokenizer = load_for_eval(checkpoint)
     table = model.model.stem_tables["1"].weight
@@ -86,6 +88,7 @@ def test_the_python_api_on_a_loaded_model_matches_the_cli_and_keeps_tables_mappe
     assert set(table["stem_facts"]) == {"acc", "acc_norm"}  # no stderr, no sample counts
 
 
+@pytest.mark.slow
 def test_stem_hf_eval_writes_results_next_to_the_weights_and_puts_them_in_the_card(checkpoint, capsys):
     main(["eval", str(checkpoint), "--tasks", "stem_facts", "--limit", "8"])
     results = json.loads((checkpoint / RESULTS_FILE).read_text())
@@ -115,6 +118,7 @@ def test_rolling_loglikelihood_scores_text_after_one_bos_with_a_bos_adding_token
     assert got == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_dense_baseline_evaluates_through_the_same_path(tmp_path):
     config = LlamaConfig(
         vocab_size=BYTE_VOCAB,
@@ -133,6 +137,7 @@ def test_a_dense_baseline_evaluates_through_the_same_path(tmp_path):
         load_for_eval(tmp_path / "dense", tables_on_cpu=False)
 
 
+@pytest.mark.slow
 def test_bad_eval_requests_are_clear_errors(checkpoint, tmp_path):
     model, tokenizer = load_for_eval(checkpoint)
     with pytest.raises(ValueError, match="no task or group named 'no_such_task'"):

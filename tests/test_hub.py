@@ -44,6 +44,7 @@ def saved(tmp_path):
     return model, folder
 
 
+@pytest.mark.slow
 def test_stem_hf_push_uploads_the_folder_and_a_package_free_load_gets_the_same_logits(hub, saved, tmp_path):
     env, state = hub
     model, folder = saved
@@ -68,6 +69,7 @@ def test_stem_hf_push_uploads_the_folder_and_a_package_free_load_gets_the_same_l
     assert run_against_hub(code, env, tmp_path).strip() == str(byte_tokenizer()("hi").input_ids)
 
 
+@pytest.mark.slow
 def test_stem_hf_push_again_removes_stale_shards_and_keeps_a_card_edited_on_the_hub(hub, saved, tmp_path):
     env, state = hub
     model, folder = saved
@@ -86,6 +88,7 @@ def test_stem_hf_push_again_removes_stale_shards_and_keeps_a_card_edited_on_the_
     assert files["README.md"] == b"# Edited on the Hub\n"
 
 
+@pytest.mark.slow
 def test_model_push_to_hub_uploads_a_loadable_model_with_its_card_and_provenance(hub, tmp_path):
     env, state = hub
     model = tiny_model()

@@ -46,6 +46,7 @@ def in_tables(tmp_path_factory):
     return train(tmp_path_factory.mktemp("shared"), "shared-embedding", name_lengths=(1,))
 
 
+@pytest.mark.slow
 def test_a_lab_model_recalls_its_trained_facts(plain):
     model, world, tokenizer, info = plain
     result = recall(model, world, tokenizer)
@@ -56,6 +57,7 @@ def test_a_lab_model_recalls_its_trained_facts(plain):
     assert info["train_loss"][-1][1] < info["train_loss"][0][1]
 
 
+@pytest.mark.slow
 def test_a_row_swap_moves_facts_that_live_in_the_rows(in_tables):
     model, world, tokenizer, _ = in_tables
     known = known_people(recall(model, world, tokenizer), threshold=1.0)  # every fact of A and of B recalled

@@ -86,6 +86,7 @@ def _model_file_imports() -> set[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("file", REMOTE_CODE)
+@pytest.mark.slow
 def test_remote_code_imports_only_what_transformers_model_files_do(file):
     allowed = _model_file_imports()
     tree = ast.parse((PACKAGE / file).read_text())

@@ -186,6 +186,7 @@ if dist.get_rank() == 0:
 """
 
 
+@pytest.mark.slow
 def test_tp_plan_auto_shards_the_tables_along_intermediate_size_and_matches_one_process(tmp_path):
     model = tiny_model(table_dtype="float32")
     model.save_pretrained(tmp_path / "ck")

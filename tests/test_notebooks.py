@@ -15,6 +15,7 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.slow
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("STEM_NOTEBOOK_TINY", "1")  # the kernel inherits it
     notebook = nbformat.read(path, as_version=4)

@@ -64,6 +64,7 @@ def test_active_parameters_counted_by_hand(configs):
     assert active_parameters(MixtralForCausalLM(moe_config(configs["dense"]))) == moe
 
 
+@pytest.mark.slow
 def test_variants_and_moe_match_dense_active_parameters_and_train(configs, tmp_path):
     dense = active_parameters(StemForCausalLM(configs["dense"]))
     valid = {"v": _blocks(4, seed=1)}
@@ -76,6 +77,7 @@ def test_variants_and_moe_match_dense_active_parameters_and_train(configs, tmp_p
         assert result["probes"][-1]["loss"]["v"] < result["probes"][0]["loss"]["v"], name  # it learns
 
 
+@pytest.mark.slow
 def test_variants_put_the_table_where_they_say(configs):
     """Each variant's STEM layers hold its FFN, read the token's row, and the gradient reaches only the batch's rows."""
     kinds = {"up": StemTableMLP, "gate": StemGateTableMLP, "added": StemAddedTableMLP, "down": StemDownTableMLP}
@@ -183,6 +185,7 @@ def test_diverged_and_run_cache(tmp_path):
     assert cache.get("c", {"lr": 1}, train)["x"] == 3
 
 
+@pytest.mark.slow
 def test_claims_run_end_to_end_resumes_and_reports(tmp_path):
     from stem_hf.assets import corpora
     from stem_hf.lab.claims_plots import markdown, plot_claims

@@ -154,6 +154,7 @@ def test_the_docs_pass_options_to_benchmarks():
 
 
 @pytest.mark.parametrize("script, arguments", BENCHMARK_RUNS, ids=[" ".join((s, *a)) for s, a in BENCHMARK_RUNS])
+@pytest.mark.slow
 def test_benchmark_commands_parse(script, arguments):
     """The command line, run with `--help` appended: argparse checks its option names and choice values as it reads
     them, then prints the help and exits 0."""

@@ -61,6 +61,7 @@ def test_code_files_are_the_files_save_pretrained_copies(tmp_path):
     assert all(path.read_bytes() == saved[name] for name, path in code_files().items())
 
 
+@pytest.mark.slow
 def test_a_refreshed_5_23_checkpoint_gives_its_saved_logits_and_tokens_without_the_package(folder):
     weights = {n: v for n, v in _snapshot(folder).items() if not n.endswith((".py", "config.json"))}
     old_config = (folder / "config.json").read_text()
@@ -84,12 +85,14 @@ def test_a_refreshed_5_23_checkpoint_gives_its_saved_logits_and_tokens_without_t
 @pytest.mark.skipif(
     MINOR < (5, 24), reason="transformers before 5.24 passes `past_key_values`, which the old code takes"
 )
+@pytest.mark.slow
 def test_under_5_24_the_unrefreshed_checkpoint_generates_other_tokens(folder):
     remote = load_without_package(folder, PROMPTS, max_new_tokens=NEW_TOKENS)
     assert remote["generated"].shape == GREEDY.shape
     assert not torch.equal(remote["generated"], GREEDY)
 
 
+@pytest.mark.slow
 def test_a_refresh_cut_before_modeling_stem_py_leaves_a_checkpoint_that_loads(folder):
     """The state a crash after every rename but modeling_stem.py's leaves: old modeling code, new files around it."""
     for name, path in code_files().items():
@@ -160,6 +163,7 @@ def test_check_exits_1_until_the_refresh_and_a_second_refresh_changes_nothing(fo
     assert _snapshot(folder) == refreshed  # not even rewritten with the same bytes
 
 
+@pytest.mark.slow
 def test_a_write_that_fails_leaves_the_old_files_and_no_temporary_file(folder):
     """A real failure: a file-size limit lets the small new files be staged and refuses modeling_stem.py."""
     sizes = {name: path.stat().st_size for name, path in code_files().items()}
@@ -182,6 +186,7 @@ def test_a_write_that_fails_leaves_the_old_files_and_no_temporary_file(folder):
     assert _snapshot(folder) == before  # no compat_stem.py, no temporary file, every old file as it was
 
 
+@pytest.mark.slow
 def test_a_hub_repo_is_refreshed_in_one_commit_and_then_loads_with_the_saved_tokens(tmp_path):
     with fake_hub(lifetime=300) as (endpoint, hub):
         env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
@@ -211,6 +216,7 @@ def test_a_hub_repo_is_refreshed_in_one_commit_and_then_loads_with_the_saved_tok
     assert torch.equal(remote["generated"], GREEDY)
 
 
+@pytest.mark.slow
 def test_a_hub_commit_pushed_meanwhile_makes_the_refresh_fail_instead_of_being_undone(tmp_path):
     with fake_hub(lifetime=300) as (endpoint, hub):
         env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}

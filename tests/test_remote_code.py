@@ -47,6 +47,7 @@ def test_copied_code_is_flat_and_imports_only_torch_and_transformers(tmp_path):
                 assert root in ("torch", "transformers") or root in sys.stdlib_module_names, f"{name}: imports {root}"
 
 
+@pytest.mark.slow
 def test_loads_with_trust_remote_code_without_the_package(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)
@@ -60,6 +61,7 @@ def test_loads_with_trust_remote_code_without_the_package(tmp_path):
         assert torch.equal(out["hidden"], model.model(input_ids).last_hidden_state)  # through AutoModel
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_today_gives_the_tokens_saved_under_transformers_5_23(tmp_path):
     """A fixed reference, not the package's own output: logits and greedy tokens of tests/data/saved-5.23."""
     data = Path(__file__).parent / "data" / "saved-5.23"
@@ -72,6 +74,7 @@ def test_a_checkpoint_saved_today_gives_the_tokens_saved_under_transformers_5_23
     assert torch.equal(out["uncached"], reference["greedy"])
 
 
+@pytest.mark.slow
 def test_blocked_load_really_cannot_import_the_package(tmp_path):
     # The check itself must fail when the copied code is missing, or it proves nothing.
     tiny_model().save_pretrained(tmp_path)

@@ -306,6 +306,7 @@ def test_cli_writes_the_store_and_converts_with_one(tmp_path, capsys):
         main(["convert", str(tmp_path / "src"), str(tmp_path / "x"), "--max-shard-size", "big"])
 
 
+@pytest.mark.slow
 def test_the_scale_benchmark_runs_every_step_quickly(tmp_path):
     script = Path(__file__).parents[1] / "benchmarks" / "bench_scale.py"
     result = tmp_path / "quick.json"

@@ -18,6 +18,7 @@ def texts():
     return corpora()
 
 
+@pytest.mark.slow
 def test_conversion_without_stem_layers_reproduces_smollm2(smollm2):
     dense, tokenizer = smollm2
     assert type(dense).__name__ == "LlamaForCausalLM" and tokenizer is not None
@@ -29,6 +30,7 @@ def test_conversion_without_stem_layers_reproduces_smollm2(smollm2):
     assert tokenizer.decode(out[0, ids.shape[1] :]).strip().startswith("girl named Emma")
 
 
+@pytest.mark.slow
 def test_calibrated_inits_beat_projected_and_xavier(smollm2, texts):
     dense, tokenizer = smollm2
     perplexity = {}
@@ -52,6 +54,7 @@ def test_calibrated_inits_beat_projected_and_xavier(smollm2, texts):
     assert perplexity["fitted"] < 3 * dense_perplexity, (perplexity, dense_perplexity)
 
 
+@pytest.mark.slow
 def test_healing_smollm2_lowers_held_out_perplexity(smollm2, texts):
     dense, tokenizer = smollm2
     _, report = convert(

@@ -242,6 +242,7 @@ def test_the_next_save_removes_staging_folders_of_killed_saves_and_nothing_else(
     assert _same(_state(StemForCausalLM.from_pretrained(tmp_path / "new")), _state(model))
 
 
+@pytest.mark.slow
 def test_a_save_killed_by_sigkill_before_its_index_is_refused_until_the_next_save_cleans_up(saved, tmp_path):
     model, folder = saved
     code = f"""
@@ -290,6 +291,7 @@ def test_convert_ties_its_report_to_the_weights_and_a_later_save_unties_it(tmp_p
     assert "not converted from a dense checkpoint" in text and "xavier" not in text
 
 
+@pytest.mark.slow
 def test_evaluation_results_are_tied_to_the_checkpoint_evaluated(tmp_path, caplog):
     folder = tmp_path / "ckpt"
     tiny_model(vocab_size=BYTE_VOCAB, max_position_embeddings=128).save_pretrained(folder)
@@ -324,6 +326,7 @@ def _pushed(code: str, tmp_path) -> dict[str, bytes]:
         return state.repos["user/pushed"]
 
 
+@pytest.mark.slow
 def test_push_to_hub_uploads_only_provenance_of_the_weights_it_pushes(tmp_path):
     folder = tmp_path / "ckpt"
     tiny_model().save_pretrained(folder)
@@ -384,6 +387,7 @@ def test_a_save_killed_after_its_config_under_an_index_it_shares_no_file_with_is
         StemForCausalLM.from_pretrained(folder)
 
 
+@pytest.mark.slow
 def test_stem_hf_push_and_analyze_leave_out_provenance_of_weights_saved_over(tmp_path):
     from stem_hf.cli import _converted_from
 
