@@ -160,6 +160,11 @@ def fake_hub(lifetime: float = 600.0) -> Iterator[tuple[str, FakeHub]]:
         server.server_close()
 
 
+def hub_env(endpoint: str) -> dict[str, str]:
+    """What a process needs to talk to the fake Hub at `endpoint` as a logged-in user."""
+    return {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+
+
 def run_against_hub(code: str, env: dict, tmp_path: Path) -> str:
     """Runs `code` in a fresh interpreter that talks to the fake Hub (huggingface_hub reads HF_ENDPOINT at import);
     returns its stdout, failing the test with its stderr if it fails."""

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stem_hf.cli import main
 from stem_hf.conversion import convert
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
-from tests.fake_hub import fake_hub
+from tests.fake_hub import fake_hub, hub_env
 from tests.test_conversion import SHAPE, _word_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,9 +216,7 @@ def test_a_hub_checkpoint_is_refused_from_its_config_before_its_code_downloads(t
         state.repos["user/evil"] = evil
         env = {
             **os.environ,
-            "HF_ENDPOINT": endpoint,
-            "HF_TOKEN": "hf_fake",
-            "HF_HUB_DISABLE_XET": "1",
+            **hub_env(endpoint),
             "HF_HOME": str(tmp_path / "hf-home"),
             "HF_MODULES_CACHE": str(tmp_path / "modules"),
             "PYTHONPATH": ROOT,

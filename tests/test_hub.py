@@ -11,7 +11,7 @@ from stem_hf.hub import push_checkpoint
 from stem_hf.model_card import MARKER
 from stem_hf.remote_check import load_without_package
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
-from tests.fake_hub import fake_hub, run_against_hub
+from tests.fake_hub import fake_hub, hub_env, run_against_hub
 
 CHECKPOINT_FILES = {
     "config.json",
@@ -31,7 +31,7 @@ TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
 @pytest.fixture
 def hub():
     with fake_hub(lifetime=300) as (endpoint, state):
-        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        env = hub_env(endpoint)
         yield env, state
 
 

@@ -22,7 +22,7 @@ from stem_hf.compat_stem import SUPPORTED_TRANSFORMERS
 from stem_hf.refresh import TEMP_PREFIX, code_files, refresh_code
 from stem_hf.remote_check import load_without_package
 from tests.conftest import tiny_model
-from tests.fake_hub import fake_hub, run_against_hub
+from tests.fake_hub import fake_hub, hub_env, run_against_hub
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "saved-5.23"
@@ -189,7 +189,7 @@ def test_a_write_that_fails_leaves_the_old_files_and_no_temporary_file(folder):
 @pytest.mark.slow
 def test_a_hub_repo_is_refreshed_in_one_commit_and_then_loads_with_the_saved_tokens(tmp_path):
     with fake_hub(lifetime=300) as (endpoint, hub):
-        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        env = hub_env(endpoint)
         upload = f"""
             from huggingface_hub import HfApi
             api = HfApi()
@@ -219,7 +219,7 @@ def test_a_hub_repo_is_refreshed_in_one_commit_and_then_loads_with_the_saved_tok
 @pytest.mark.slow
 def test_a_hub_commit_pushed_meanwhile_makes_the_refresh_fail_instead_of_being_undone(tmp_path):
     with fake_hub(lifetime=300) as (endpoint, hub):
-        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        env = hub_env(endpoint)
         race = f"""
             from huggingface_hub import CommitOperationAdd, HfApi
             from huggingface_hub.errors import HfHubHTTPError

@@ -20,7 +20,7 @@ from stem_hf import StemForCausalLM
 from stem_hf.evaluation import RESULTS_FILE, evaluate
 from stem_hf.model_card import render_model_card
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
-from tests.fake_hub import fake_hub
+from tests.fake_hub import fake_hub, hub_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INDEX = "model.safetensors.index.json"
@@ -319,7 +319,7 @@ def test_evaluation_results_are_tied_to_the_checkpoint_evaluated(tmp_path, caplo
 def _pushed(code: str, tmp_path) -> dict[str, bytes]:
     """Runs `code` (which pushes to "user/pushed") in a fresh interpreter against a loopback Hub; the repo's files."""
     with fake_hub(lifetime=300) as (endpoint, state):
-        env = {"HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_XET": "1"}
+        env = hub_env(endpoint)
         env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": ROOT}
         run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
