@@ -52,11 +52,6 @@ def table_copies(model: nn.Module) -> list[StemTableCopy]:
     return copies
 
 
-def tables_freed(model: nn.Module) -> bool:
-    """Whether `StemOffloadEngine(free_tables=True)` dropped the model's tables (they then hold no rows)."""
-    return any(t.weight.shape[0] == 0 for t in model.base_model.stem_tables.values())
-
-
 @dataclass(frozen=True)
 class StemEdit:
     """Token ids of one edit: `source` is looked for in the input, `target` supplies the rows."""
@@ -207,7 +202,7 @@ class StemEditor:
     def __enter__(self) -> "StemEditor":
         if self._active:
             raise RuntimeError("StemEditor: already active; enter an editor once at a time")
-        if any(e.strategy == "mean" for e in self.edits) and tables_freed(self.model):
+        if any(e.strategy == "mean" for e in self.edits) and self.model.base_model.stem_tables.freed:
             raise ValueError("StemEditor: mean edits read the tables, which an offload engine freed (free_tables=True)")
         self._calls = 0
         self._source = self.model.base_model.set_row_source(self)
@@ -241,7 +236,7 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
                     f"of both {wanted[source]} and {target}; one table row cannot hold both (apply the edit per call "
                     "with StemEditor, or use strategy='mean')"
                 )
-    copies, freed = table_copies(model), tables_freed(model)
+    copies, freed = table_copies(model), model.base_model.stem_tables.freed
     for copy in copies:
         copy.check_writable()
     if freed and not copies:
@@ -281,7 +276,7 @@ def persisted(model: nn.Module, edit: StemEdit) -> Iterator[None]:
     check_edits(model, [edit])
     rows = list(edit.source)
     tables = model.base_model.stem_tables
-    freed = tables_freed(model)  # then the engine's copy is all persist_edit writes
+    freed = model.base_model.stem_tables.freed  # then the engine's copy is all persist_edit writes
     saved = {} if freed else {k: t.weight.detach()[rows].clone() for k, t in tables.items()}
     save_id = getattr(model, "stem_save_id", None)
     with ExitStack() as stack:
@@ -317,6 +312,5 @@ __all__ = [
     "persist_edit",
     "persisted",
     "table_copies",
-    "tables_freed",
     "write_edited_rows",
 ]

@@ -132,13 +132,13 @@ def write_offload_store(folder: str | os.PathLike, path: str | os.PathLike | Non
     names the layers and the checkpoint's save id. Built a block of rows at a time from the table shards, memory-mapped,
     so tables larger than memory are never held; written to a `.partial` file beside `path`, renamed when complete."""
     folder = os.fspath(folder)
-    if not load_config(folder, hub=False).stem_layers:  # read again with the files, under the lock
-        raise ValueError(f"{folder}: the checkpoint has no STEM layers, so no tables to store")
     path = os.fspath(path) if path is not None else os.path.join(folder, STORE_NAME)
     if not path or os.path.isdir(path):
         raise ValueError(f"path: {path!r} is {'empty' if not path else 'a folder'}; give the store's file path")
     with reading_checkpoint(folder):  # the config and tables are those of the save the checks read
         config = load_config(folder, hub=False)
+        if not config.stem_layers:
+            raise ValueError(f"{folder}: the checkpoint has no STEM layers, so no tables to store")
         save_id = check_checkpoint_files(folder, config)
         tables = _map_tables(folder)
     layers, dtype = config.stem_layers, tables[config.stem_layers[0]].dtype

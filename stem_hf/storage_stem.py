@@ -1085,9 +1085,14 @@ class StemTables(nn.ModuleDict):
             return super()._apply(lambda t: torch.empty_like(t, device=device), recurse)
         return super()._apply(lambda t: t.to(device), recurse)
 
+    @property
+    def freed(self) -> bool:
+        """Whether `StemOffloadEngine(free_tables=True)` dropped the tables (they then hold no rows)."""
+        return any(table.weight.shape[0] == 0 for table in self.values())
+
     def check_not_freed(self, what: str) -> None:
-        """Raises, naming `what`, where an offload engine freed the tables (they hold no rows)."""
-        if any(table.weight.shape[0] == 0 for table in self.values()):
+        """Raises, naming `what`, where an offload engine freed the tables."""
+        if self.freed:
             raise RuntimeError(f"{what}: {FREED_TABLES}")
 
     @torch.no_grad()
