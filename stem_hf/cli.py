@@ -166,11 +166,11 @@ def main(argv: list[str] | None = None) -> None:
         run_eval(args)
     elif args.command == "card":
         from .accounting import check_stem
-        from .model_card import write_model_card
+        from .model_card import as_utf8, write_model_card
 
         check_stem(args.checkpoint, hub=False)  # a local STEM folder, even where a hand-written card is kept
         path = write_model_card(args.checkpoint, repo_id=args.repo_id, overwrite=args.force)
-        shown = _shown(path or args.checkpoint)  # a folder's name need not be UTF-8, nor stdout forgiving
+        shown = as_utf8(os.fspath(path or args.checkpoint))  # a folder's name need not be UTF-8, nor stdout forgiving
         print(f"wrote {shown}" if path else f"kept the hand-written {shown}/README.md (--force replaces it)")
     elif args.command == "pretrain":
         from .pretrain import PretrainSettings, pretrain
@@ -211,11 +211,6 @@ def main(argv: list[str] | None = None) -> None:
         print(push_checkpoint(args.checkpoint, args.repo_id, **kwargs))
     elif args.command == "refresh-code":
         run_refresh(args)
-
-
-def _shown(path: str | os.PathLike) -> str:
-    """`path` as text any stdout prints: bytes that are not UTF-8 show as U+FFFD."""
-    return os.fsencode(path).decode("utf-8", "replace")
 
 
 def run_verify(args: argparse.Namespace) -> dict:

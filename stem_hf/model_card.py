@@ -85,7 +85,7 @@ def _examples(samples: dict | None) -> str:
     return f"{effective}" if effective == original else f"{effective} of {original} (limited)"
 
 
-def _utf8(text: str) -> str:
+def as_utf8(text: str) -> str:
     """`text` with each surrogate escape (a byte that is not UTF-8, as in a folder's name) as U+FFFD: the card is UTF-8
     text, and one bad byte in a path it shows should not stop it."""
     return re.sub("[\ud800-\udfff]", "\ufffd", text)
@@ -281,11 +281,11 @@ def render_model_card(
     lm_eval = headline_metrics(lm_eval_json)
     converted = report is not None
     # Paths the report records (source, text files) are shown as text, as the folder's name is.
-    report = {key: _utf8(value) if isinstance(value, str) else value for key, value in (report or {}).items()}
-    name = _utf8(repo_id.split("/")[-1] if repo_id else folder.resolve().name)
+    report = {key: as_utf8(value) if isinstance(value, str) else value for key, value in (report or {}).items()}
+    name = as_utf8(repo_id.split("/")[-1] if repo_id else folder.resolve().name)
     facts = {
         "name": name,
-        "repo_id": _utf8(repo_id or str(folder)),
+        "repo_id": as_utf8(repo_id or str(folder)),
         **_model_facts(config),
         "files": _files(folder),
         "converted": converted,
@@ -319,4 +319,4 @@ def write_model_card(
     return path
 
 
-__all__ = ["CARD_FILE", "MARKER", "render_model_card", "write_model_card"]
+__all__ = ["CARD_FILE", "MARKER", "as_utf8", "render_model_card", "write_model_card"]
