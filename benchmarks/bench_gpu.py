@@ -23,6 +23,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, LogitsPro
 
 from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.accounting import flops_per_token
+from stem_hf.cli_args import int_at_least, positive_int
 from stem_hf.offload import StemOffloadEngine
 from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
 
@@ -161,12 +162,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default="0.75b", choices=sorted(SHAPES))
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=1024)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--decode-batches", default="1,16,64")
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=positive_int, default=256)
+    parser.add_argument("--new-tokens", type=int_at_least(2), default=64, help="a decode step needs two stamps")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd prefill, and static-cache "
                         "compiled decoding")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

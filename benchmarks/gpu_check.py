@@ -82,13 +82,18 @@ def versions() -> dict:
 # Tests
 
 
+def repo_env() -> dict:
+    """This environment with the repository first on PYTHONPATH: subprocesses import this checkout's stem_hf."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+
+
 def run_tests(files: list[str], timeout_s: float, log_path: str, state: dict) -> dict:
     """Runs pytest on `files` in a subprocess; returns counts from its JUnit XML and the failures' names."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "junit.xml")
         command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
         command += files
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+        env = repo_env()
         start = time.perf_counter()
         with open(log_path, "w") as out:
             process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -489,7 +494,7 @@ def bench_gpu(deadline: float, quick: bool, bench: dict) -> None:
     timeout = deadline - time.monotonic() - 20
     with contextlib.suppress(FileNotFoundError):
         os.remove(out)  # a result left by an earlier run must not pass for this one's
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env = repo_env()
     failure = None
     try:
         run = subprocess.run(command, cwd=REPO, timeout=timeout, env=env, stdout=subprocess.DEVNULL,
