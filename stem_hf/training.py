@@ -16,7 +16,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .extras import require
-from .storage_stem import TABLE_KEY
+from .storage_stem import TABLE_KEY, StemTable, StemTables
 
 logger = logging.get_logger(__name__)
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
@@ -202,12 +202,17 @@ class RowSparseAdamW(torch.optim.Optimizer):
         return total
 
 
+def stem_tables(model: nn.Module) -> list[nn.Embedding]:
+    """Every STEM table module of `model`, however wrapped (PEFT, DDP, a compiled module)."""
+    return [module for module in model.modules() if isinstance(module, StemTable)]
+
+
 def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
     """Makes every table's gradient sparse: the batch's rows only, instead of a dense `[vocab, d_ff]` tensor that
     backward fills and the optimizer reads however few rows the batch touched. Needs an optimizer and clipping that
     take sparse gradients: `RowSparseAdamW` row-sparse groups and `clip_grad_norm` (`StemTrainer` uses both)."""
-    tables = list(model.base_model.stem_tables.values())
-    if enable and any(t.weight.dtype != torch.float32 for t in tables):
+    tables = stem_tables(model)
+    if enable and any(t.weight.requires_grad and t.weight.dtype != torch.float32 for t in tables):
         raise ValueError(
             "sparse table gradients need float32 tables (torch cannot add sparse bf16/fp16 gradients on CPU, so "
             "accumulation fails): call model.set_table_dtype('float32') first, as training tables should be anyway"
@@ -257,24 +262,39 @@ def build_optimizer(
 class StemTrainer(Trainer):
     """`Trainer` whose default optimizer is `build_optimizer`: tables undecayed, at `table_lr` (default: the learning
     rate), row-sparse unless `row_sparse_tables=False`. Under FSDP (sharded DTensor parameters) it is torch's AdamW
-    over the same groups. `sparse_table_grads=True` makes table gradients sparse (`use_sparse_table_grads`) and clips
-    with `clip_grad_norm`; tested on one process, not with DDP or FSDP. Everything else is Trainer's."""
+    over the same groups.
+
+    `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a
+    `[vocab, d_ff]` tensor) and clips with `clip_grad_norm`. The default, None, turns them on where they are tested:
+    one process, no FSDP, DeepSpeed or `torch_compile`, `row_sparse_tables`, the optimizer built here (not passed in)
+    and a trainable table (which then trains in float32, as `model.train()` would make it). True asks for them anyway (one process only); False keeps dense
+    table gradients. Everything else is Trainer's."""
 
     def __init__(
         self,
         *args,
         table_lr: float | None = None,
         row_sparse_tables: bool = True,
-        sparse_table_grads: bool = False,
+        sparse_table_grads: bool | None = None,
         **kwargs,
     ):
         self.table_lr = table_lr
+        super().__init__(*args, **kwargs)
+        unsupported = self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.world_size > 1
+        if sparse_table_grads and unsupported:
+            raise ValueError("sparse_table_grads: one process only (not tested with DDP, FSDP or DeepSpeed)")
+        if sparse_table_grads is None:
+            trainable = any(t.weight.requires_grad for t in stem_tables(self.model))
+            own_optimizer = self.optimizer is None  # one passed in may not take sparse gradients
+            sparse_table_grads = (
+                trainable and own_optimizer and row_sparse_tables and not unsupported and not self.args.torch_compile
+            )
         self.row_sparse_tables = row_sparse_tables or sparse_table_grads  # sparse gradients need the row groups
         self.sparse_table_grads = sparse_table_grads
-        super().__init__(*args, **kwargs)
         if sparse_table_grads:
-            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-                raise ValueError("sparse_table_grads: not supported with FSDP or DeepSpeed (tested on one process)")
+            for module in self.model.modules():
+                if isinstance(module, StemTables):
+                    module.upcast_trainable()  # what train() does; sparse gradients need it first
             use_sparse_table_grads(self.model)
 
     def _clip_grad_norm(self, model):

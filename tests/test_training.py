@@ -351,25 +351,39 @@ def test_build_optimizer_plugs_into_a_plain_trainer(tmp_path):
     assert int(optimizer.state[model.model.stem_tables["1"].weight]["rows_seen"]) > 0
 
 
+class _Shapes:
+    """Records the shapes of the dense tensors allocated inside (aten outputs seen by a dispatch mode, views and
+    in-place results on `model`'s parameters left out): a `[vocab, d_ff]` gradient or optimizer state shows up."""
+
+    def __init__(self, model):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.shapes, params = set(), {p.untyped_storage().data_ptr() for p in model.parameters()}
+        shapes = self.shapes
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+                        if tensor.untyped_storage().data_ptr() not in params:
+                            shapes.add(tuple(tensor.shape))
+                return out
+
+        self.mode = Mode()
+
+    def __enter__(self) -> set[tuple[int, ...]]:
+        self.mode.__enter__()
+        return self.shapes
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
 def _largest_tensors(model, ids, optimizer) -> set[tuple[int, ...]]:
-    """The shapes of the dense tensors a train step's backward and optimizer step allocate (aten outputs seen by a
-    dispatch mode, views and in-place results on the parameters left out): a `[vocab, d_ff]` gradient or optimizer
-    state shows up here."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    shapes, params = set(), {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    class Shapes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
-                    if tensor.untyped_storage().data_ptr() not in params:
-                        shapes.add(tuple(tensor.shape))
-            return out
-
+    """The shapes of the dense tensors a train step's backward and optimizer step allocate."""
     loss = model(input_ids=ids, labels=ids).loss
-    with Shapes():
+    with _Shapes(model) as shapes:
         loss.backward()
         optimizer.step()
     return shapes
@@ -392,3 +406,35 @@ def test_sparse_table_grads_never_build_a_vocab_by_d_ff_tensor(vocab):
             rows = max(shape[0] for shape in shapes if len(shape) == 2 and shape[1] == 64)
             # The batch's rows, or RowSparseAdamW's slots for them (at least 64, up to 2x the rows seen): not vocab.
             assert rows <= max(64, 2 * len(ids.unique())) < vocab
+
+
+@pytest.mark.parametrize("vocab", [96, 384])
+def test_stem_trainer_defaults_to_row_only_table_gradients(tmp_path, vocab):
+    """A plain `StemTrainer` (bf16 tables, accumulation, clipping) gets sparse table gradients by default: no
+    `[vocab, d_ff]` tensor in a whole training run at two vocabulary sizes, and the same weights as dense gradients."""
+    models = []
+    for sparse in (None, False):
+        torch.manual_seed(0)
+        model = tiny_model(vocab_size=vocab, table_dtype="bfloat16")
+        args = _args(tmp_path, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+        trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(8, ragged=True), sparse_table_grads=sparse)
+        assert trainer.sparse_table_grads is (sparse is None)
+        if sparse is None:
+            assert model.config.table_dtype == "float32"  # raised before sparse gradients, as train() would
+        assert all(t.sparse is (sparse is None) for t in model.model.stem_tables.values())
+        with _Shapes(model) as shapes:
+            trainer.train()
+        assert ((vocab, 64) in shapes) is (sparse is False), sorted(shapes, key=math.prod)[-3:]
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_stem_trainer_keeps_dense_table_gradients_where_sparse_ones_are_untested(tmp_path):
+    model = _stem()
+    given = torch.optim.AdamW(model.parameters())  # torch's AdamW refuses sparse gradients
+    assert not StemTrainer(model=model, args=_args(tmp_path), optimizers=(given, None)).sparse_table_grads
+    assert not StemTrainer(model=model, args=_args(tmp_path), row_sparse_tables=False).sparse_table_grads
+    model.model.stem_tables.requires_grad_(False)
+    assert not StemTrainer(model=model, args=_args(tmp_path)).sparse_table_grads
+    assert not any(t.sparse for t in model.model.stem_tables.values())
