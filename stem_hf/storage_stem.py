@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -911,12 +912,49 @@ class StemTable(nn.Embedding):
     the token embedding and give it the paper's xavier-normal init."""
 
 
+# Host tables serving an accelerator: one worker thread gathers rows into pinned memory and starts their copy on a side
+# stream, this many STEM layers ahead of the layer that reads them.
+HOST_ROWS_AHEAD = 2
+_ROW_WORKER: ThreadPoolExecutor | None = None
+_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _row_worker() -> ThreadPoolExecutor:
+    global _ROW_WORKER
+    if _ROW_WORKER is None:
+        _ROW_WORKER = ThreadPoolExecutor(1, thread_name_prefix="stem-host-rows")
+    return _ROW_WORKER
+
+
+class StemHostRowsGrad(torch.autograd.Function):
+    """Rows gathered on the host and copied to the accelerator, made differentiable in the host table: the backward
+    copies the distinct rows' gradients back and hands the table a sparse gradient (if the table is `sparse`) or a
+    dense one, as the table's own lookup would."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, unique: torch.Tensor, rows: torch.Tensor, sparse: bool) -> torch.Tensor:
+        ctx.save_for_backward(unique)
+        ctx.shape, ctx.dtype, ctx.sparse = weight.shape, weight.dtype, sparse
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (unique,) = ctx.saved_tensors
+        grad = grad.to(unique.device, ctx.dtype)
+        if ctx.sparse:
+            rows = torch.sparse_coo_tensor(unique[None], grad, ctx.shape, is_coalesced=True, check_invariants=False)
+            return rows, None, None, None
+        return grad.new_zeros(ctx.shape).index_copy_(0, unique, grad), None, None, None
+
+
 class StemTableRows:
     """The table rows of one batch, handed out per STEM layer.
 
-    This default gathers each layer's rows when that layer asks, inside the layer's (possibly checkpointed) forward, so
-    activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a model on an
-    accelerator is read on the host for the batch's distinct ids only, and only those rows cross to the accelerator.
+    A table on the device of the ids is looked up by the layer that asks, inside its (possibly checkpointed)
+    forward, so activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a
+    model on an accelerator is read on the host for the batch's distinct ids only, and only those rows cross: a worker
+    thread gathers them into pinned memory and copies them on a side stream `HOST_ROWS_AHEAD` STEM layers ahead, so
+    the reads and copies overlap the layers before. Rows stay differentiable in the host table (`StemHostRowsGrad`).
     An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
     """
 
@@ -924,25 +962,81 @@ class StemTableRows:
         self.tables = tables
         self.stem_input_ids = stem_input_ids
         self._unique = None
+        self._ahead: dict[int, Future] = {}
+        self._served: set[int] = set()
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         table = self.tables[str(layer_idx)]
         if table.weight.shape[0] == 0:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
-        ids = self.stem_input_ids
-        table_device = table.weight.device
-        if table_device == ids.device or table_device.type == "meta":  # meta: an accelerate hook brings the weight
-            return table(ids)
-        return self.gather_unique(table, ids)
+        if not self.host_served(table):
+            return table(self.stem_input_ids)
+        return self.host_rows(layer_idx)
 
-    def gather_unique(self, table: nn.Embedding, ids: torch.LongTensor) -> torch.Tensor:
-        """Rows for `ids` from a table on another device: looks up each distinct id once on the table's device and
-        moves only those rows to the device of `ids`. Differentiable, so host-resident tables also train."""
-        if self._unique is None:  # deduplicate once per forward, for every layer
-            unique, inverse = torch.unique(ids.to(table.weight.device), return_inverse=True)
-            self._unique = unique, inverse.to(ids.device, non_blocking=True)
-        unique, inverse = self._unique
-        return table(unique).to(ids.device, non_blocking=True)[inverse]
+    def host_served(self, table: nn.Embedding) -> bool:
+        """Whether `table` lives on another device than the ids (meta: an accelerate hook brings the weight)."""
+        device = table.weight.device
+        return device != self.stem_input_ids.device and device.type != "meta"
+
+    def distinct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's distinct ids on the host and, on the ids' device, where each position's row is among them.
+        Computed once per forward: the forward's one host sync."""
+        if self._unique is None:
+            unique, inverse = torch.unique(self.stem_input_ids.cpu(), return_inverse=True)
+            self._unique = unique, inverse.to(self.stem_input_ids.device, non_blocking=True)
+        return self._unique
+
+    def host_rows(self, layer_idx: int) -> torch.Tensor:
+        """Layer `layer_idx`'s rows from its host table, fetched ahead by the worker."""
+        unique, inverse = self.distinct()
+        table = self.tables[str(layer_idx)]
+        if torch.compiler.is_compiling() or type(table) is not StemTable or table._forward_hooks:
+            # Under compile a thread is not traceable; a wrapped table (PEFT's trainable tokens) or a hooked one
+            # computes its rows in its own forward.
+            return table(unique).to(self.stem_input_ids.device)[inverse]
+        if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
+            rows, ready = self._fetch(table, unique, self._main_stream())
+        else:
+            self._fetch_ahead(layer_idx)
+            rows, ready = self._ahead.pop(layer_idx).result()
+            self._served.add(layer_idx)
+        if ready is not None:
+            torch.cuda.current_stream(rows.device).wait_event(ready)
+        if torch.is_grad_enabled() and table.weight.requires_grad:
+            rows = StemHostRowsGrad.apply(table.weight, unique, rows, table.sparse)
+        return rows[inverse]
+
+    def _main_stream(self):
+        device = self.stem_input_ids.device
+        return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def _fetch_ahead(self, layer_idx: int) -> None:
+        """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
+        layers = sorted(int(k) for k, t in self.tables.items() if int(k) >= layer_idx and self.host_served(t))
+        unique, _ = self.distinct()
+        main = self._main_stream()  # read in this thread: the worker's current stream is another
+        for layer in layers[: 1 + HOST_ROWS_AHEAD]:
+            if layer not in self._ahead and layer not in self._served:
+                self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
+
+    def _fetch(self, table: nn.Embedding, unique: torch.Tensor, main) -> tuple[torch.Tensor, object]:
+        """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only): gathered
+        into pinned memory, whose copy can run on the side stream while the main one computes."""
+        device = self.stem_input_ids.device
+        weight = table.weight.detach()
+        staged = torch.empty((len(unique), weight.shape[1]), dtype=weight.dtype, pin_memory=device.type == "cuda")
+        torch.index_select(weight, 0, unique, out=staged)
+        if device.type != "cuda":
+            return staged.to(device), None
+        if device not in _COPY_STREAMS:
+            _COPY_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _COPY_STREAMS[device]
+        with torch.cuda.stream(stream):
+            rows = staged.to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        rows.record_stream(main)  # made on the side stream, read on the main one
+        return rows, ready
 
 
 class StemSoftPromptRows:
@@ -1348,6 +1442,7 @@ __all__ = [
     "StemSafetensorsWriter",
     "StemSoftPromptRows",
     "StemTable",
+    "StemHostRowsGrad",
     "StemTableRows",
     "StemTables",
     "TABLES_NAME",

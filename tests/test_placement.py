@@ -4,6 +4,7 @@ CPU; where CUDA is available, the device-map loads also run on it."""
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -79,10 +80,77 @@ def test_auto_map_is_sized_in_the_load_dtype():
 def test_rows_of_a_table_on_another_device_take_the_deduplicating_path(monkeypatch):
     model = tiny_model()
     seen = []
-    monkeypatch.setattr(StemTableRows, "gather_unique", lambda self, table, ids: seen.append(ids.device.type))
+    monkeypatch.setattr(StemTableRows, "host_rows", lambda self, layer: seen.append(self.stem_input_ids.device.type))
     StemTableRows(model.model.stem_tables, torch.zeros(1, 3, dtype=torch.long, device="meta"))[1]
     StemTableRows(model.model.stem_tables, torch.zeros(1, 3, dtype=torch.long))[1]
     assert seen == ["meta"]  # ids elsewhere than the table: deduplicate; same device: plain lookup
+
+
+def _host_served(monkeypatch) -> list[tuple[int, str]]:
+    """Serves every table through the host path a model on an accelerator takes (worker thread, rows fetched ahead),
+    here with the ids on the CPU too. Returns the (layer, thread) of each fetch as it happens."""
+    fetches = []
+    fetch = StemTableRows._fetch
+
+    def recorded(self, table, unique, main):
+        layer = next(int(k) for k, t in self.tables.items() if t is table)
+        fetches.append((layer, threading.current_thread().name.split("_")[0]))
+        return fetch(self, table, unique, main)
+
+    monkeypatch.setattr(StemTableRows, "host_served", lambda self, table: True)
+    monkeypatch.setattr(StemTableRows, "_fetch", recorded)
+    return fetches
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_host_rows_equal_the_lookup_with_the_gradient_of_a_hand_computation(monkeypatch, sparse):
+    fetches = _host_served(monkeypatch)
+    model = tiny_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    table = model.model.stem_tables["2"]
+    table.sparse = sparse
+    ids = torch.tensor([[5, 9, 5, 2], [9, 9, 1, 5]])
+    rows = StemTableRows(model.model.stem_tables, ids)
+    gathered = rows[2]
+    assert torch.equal(gathered, table.weight[ids])
+    assert torch.equal(rows.distinct()[0], torch.tensor([1, 2, 5, 9]))
+    assert fetches == [(2, "stem-host-rows"), (3, "stem-host-rows")]  # layer 3's rows fetched ahead, on the worker
+    gathered.pow(2).sum().backward()
+    expected = torch.zeros_like(table.weight)
+    for i in ids.flatten():
+        expected[i] += 2 * table.weight[i].detach()
+    assert table.weight.grad.is_sparse is sparse
+    torch.testing.assert_close(table.weight.grad.to_dense(), expected, rtol=0, atol=0)
+
+
+def test_a_model_served_from_host_tables_equals_resident_tables(monkeypatch):
+    """Logits, greedy tokens, gradients (with activation checkpointing) and the update of a training run are those of
+    the same model reading its tables on the device."""
+    torch.manual_seed(0)
+    resident = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected_logits = resident(ids).logits
+    expected_tokens = resident.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+    resident.train()
+    resident.gradient_checkpointing_enable()
+    resident(input_ids=ids, labels=ids).loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in resident.named_parameters()}
+
+    fetches = _host_served(monkeypatch)
+    host = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    with torch.no_grad():
+        assert torch.equal(host(ids).logits, expected_logits)
+    assert [layer for layer, _ in fetches] == [1, 2, 3] and {t for _, t in fetches} == {"stem-host-rows"}
+    assert torch.equal(host.generate(ids, max_new_tokens=6, do_sample=False), expected_tokens)
+    host.train()
+    host.gradient_checkpointing_enable()
+    fetches.clear()
+    host(input_ids=ids, labels=ids).loss.backward()
+    # Forward: each layer once, on the worker; checkpointing's recompute fetches again, in the backward's thread.
+    assert sorted(fetches[:3]) == [(1, "stem-host-rows"), (2, "stem-host-rows"), (3, "stem-host-rows")]
+    assert sorted(layer for layer, _ in fetches[3:]) == [1, 2, 3]
+    for name, param in host.named_parameters():
+        torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_device_map_load_keeps_tables_mapped_and_logits_equal(tmp_path):
@@ -163,3 +231,32 @@ def test_auto_map_with_disk_offload_keeps_tables_mapped_and_outputs_equal(tmp_pa
     assert getattr(got, CACHE_ARG) is not None and got.sequences.shape == (2, 17)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sparse_table_grads", [None, False])  # StemTrainer's default (row-only), and dense
+def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monkeypatch, sparse_table_grads):
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from stem_hf.training import StemTrainer
+
+    ids = torch.randint(3, 96, (8, 10), generator=torch.Generator().manual_seed(2)).tolist()
+    data = Dataset.from_list([{"input_ids": row, "labels": row} for row in ids])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        learning_rate=1e-2, max_grad_norm=0.5, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True,
+    )  # fmt: skip
+    models = []
+    for host in (False, True):
+        if host:
+            _host_served(monkeypatch)
+        torch.manual_seed(0)
+        model = sensitive_model(stem_layers=[1, 2, 3])
+        trainer = StemTrainer(model=model, args=args, train_dataset=data, sparse_table_grads=sparse_table_grads)
+        trainer.train()
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    initial = sensitive_model(stem_layers=[1, 2, 3]).model.stem_tables["2"].weight.float()
+    assert not torch.equal(models[1].model.stem_tables["2"].weight, initial)  # the tables did train

@@ -133,22 +133,6 @@ def test_set_table_dtype_changes_what_is_saved(tmp_path):
         tiny_model(table_dtype="float64")
 
 
-def test_host_side_gather_equals_plain_lookup_with_gradients():
-    # The path a GPU model takes for a table in host memory: one lookup per distinct id, then an index on the device.
-    model = tiny_model(table_dtype="float32")
-    table = model.model.stem_tables["1"]
-    ids = torch.tensor([[5, 9, 5, 2], [9, 9, 1, 5]])
-    rows = StemTableRows(model.model.stem_tables, ids)
-    gathered = rows.gather_unique(table, ids)
-    assert torch.equal(gathered, table(ids))
-    assert torch.equal(rows._unique[0], torch.tensor([1, 2, 5, 9]))
-    gathered.float().pow(2).sum().backward()
-    expected = torch.zeros_like(table.weight, dtype=torch.float32)
-    for i in ids.flatten():
-        expected[i] += 2 * table.weight[i].detach().float()
-    assert torch.allclose(table.weight.grad, expected)
-
-
 def test_interrupted_save_leaves_the_old_checkpoint_intact(saved, monkeypatch):
     model, folder = saved
     (folder / "tokenizer.json").write_text("{}")
