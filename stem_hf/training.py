@@ -267,8 +267,8 @@ class StemTrainer(Trainer):
     `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a
     `[vocab, d_ff]` tensor) and clips with `clip_grad_norm`. The default, None, turns them on where they are tested:
     one process, no FSDP, DeepSpeed or `torch_compile`, `row_sparse_tables`, the optimizer built here (not passed in)
-    and a trainable table (which then trains in float32, as `model.train()` would make it). True asks for them anyway (one process only); False keeps dense
-    table gradients. Everything else is Trainer's."""
+    and a trainable table (which then trains in float32, as `model.train()` would make it). True asks for them anyway
+    (one process only); False keeps dense table gradients. Everything else is Trainer's."""
 
     def __init__(
         self,

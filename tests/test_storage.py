@@ -11,7 +11,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from stem_hf import StemForCausalLM, storage_stem
-from stem_hf.storage_stem import StemTableRows
 from tests.conftest import tiny_model
 
 INDEX = "model.safetensors.index.json"
