@@ -1,6 +1,7 @@
 """torch.compile, host syncs and ops: a forward with resident tables compiles whole (`fullgraph=True`) for inference and
 training and matches eager; static-cache compiled greedy decoding gives eager's tokens; a decoding step makes no host
-sync; token ids are checked once per user input, not once per generated token."""
+sync; token ids are checked once per user input, not once per generated token; under compile each table gather
+fuses into its layer's `SiLU(gate) * rows` kernel."""
 
 import json
 import os
@@ -230,6 +231,35 @@ def test_a_stem_forward_is_a_dense_one_with_each_up_projection_replaced_by_one_g
     dense_ops = _op_counts(dense, ids)
     diff = {op: stem[op] - dense_ops[op] for op in _COMPUTE_OPS if stem[op] != dense_ops[op]}
     assert diff == expected
+
+
+def _inductor_calls(model, ids) -> tuple[list[str], int]:
+    """The fused kernels inductor's code for one compiled inference forward calls, in order, and its matrix products."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda m, x: m(x).logits, fullgraph=True)
+    with torch.no_grad(), model.model.ids_checked():
+        _, codes = run_and_get_code(compiled, model, ids)
+    code = "\n".join(codes)
+    return re.findall(r"^\s+(cpp_fused_\w+)\(", code, re.M), code.count("extern_kernels.mm(")
+
+
+@pytest.mark.slow
+def test_under_compile_each_gather_fuses_into_its_layers_silu_times_rows_kernel():
+    """Inductor's code for a STEM forward calls as many fused kernels as the same model without STEM layers, one
+    matrix product fewer per STEM layer, and each STEM layer's `SiLU(gate) * rows` kernel does the table gather
+    itself: no kernel of its own, no copy of the rows."""
+    model = sensitive_model(table_dtype="float32")
+    dense = sensitive_model(table_dtype="float32", stem_layers=[])
+    stem_kernels, stem_mm = _inductor_calls(model, _ids())
+    dense_kernels, dense_mm = _inductor_calls(dense, _ids())
+    silu = [k for k in stem_kernels if "silu" in k]
+    assert len(silu) == model.config.num_hidden_layers
+    assert sum("embedding" in k for k in silu) == len(model.config.stem_layers)  # the gather inside the kernel
+    assert len(stem_kernels) == len(dense_kernels) and stem_mm == dense_mm - len(model.config.stem_layers)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import copy
 import gc
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -130,6 +131,32 @@ def test_gradients_reach_host_tables_from_a_cuda_forward():
     gate = model.model.layers[1].mlp.gate_proj.weight.grad
     assert gate.device == CUDA
     _assert_close(gate, cpu.model.layers[1].mlp.gate_proj.weight.grad, FP32_TOL)
+
+
+def test_host_rows_come_ahead_from_the_worker_and_train_with_sparse_gradients_on_cuda(monkeypatch):
+    from stem_hf.storage_stem import StemTableRows
+
+    threads, fetch = [], StemTableRows._fetch
+
+    def recorded(self, table, unique, main):
+        rows, ready = fetch(self, table, unique, main)
+        threads.append((threading.current_thread().name.split("_")[0], ready is not None, rows.device.type))
+        return rows, ready
+
+    monkeypatch.setattr(StemTableRows, "_fetch", recorded)
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    dense_grads = copy.deepcopy(model).to(CUDA)
+    ids = _ids((2, 12))
+    dense_grads(ids.to(CUDA), labels=ids.to(CUDA)).loss.backward()
+    model.to(CUDA)
+    for table in model.model.stem_tables.values():
+        table.sparse = True
+    threads.clear()
+    model(ids.to(CUDA), labels=ids.to(CUDA)).loss.backward()
+    assert threads == [("stem-host-rows", True, "cuda")] * 3  # gathered on the worker, copied with an event
+    for key, table in model.model.stem_tables.items():
+        assert table.weight.grad.is_sparse and table.weight.grad.device.type == "cpu"
+        _assert_close(table.weight.grad.to_dense(), dense_grads.model.stem_tables[key].weight.grad, 1e-6)
 
 
 def test_a_bf16_dense_part_on_cuda_with_bf16_host_tables():
