@@ -5,6 +5,8 @@ predict (`accounting.flops_per_token`). Medians of `--repeats` runs after a warm
 
     python benchmarks/bench_gpu.py                                   # CUDA, the 0.75B shape: a few minutes on one H100
     python benchmarks/bench_gpu.py --device cpu --shape small --compile --out benchmarks/results/bench_gpu_cpu.json
+    python benchmarks/bench_gpu.py --device cpu --shape medium --batch-size 1 --seq-len 512 --compile --dtype float32 \
+        --skip train,decode --out benchmarks/results/bench_gpu_cpu_medium.json
 
 Models are built on the device in bf16 (tables too), never initialized on the host. `gpu_check.sh` runs it.
 """
@@ -16,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -29,10 +32,11 @@ from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grad
 
 SHAPES = {
     "0.75b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16),
+    "medium": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16),
     "small": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4),
 }
-VOCAB = {"0.75b": 32000, "small": 8192, "tiny": 512}
+VOCAB = {"0.75b": 32000, "medium": 16384, "small": 8192, "tiny": 512}
 SPECS = ("1/3", "1/2", "full")
 
 
@@ -43,15 +47,24 @@ def sync(device: torch.device) -> None:
 
 def median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median wall seconds of `fn` over `repeats` runs after one warm-up, the device synchronized around each."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
+    return statistics.median(paired_s([fn], repeats, device)[0])
+
+
+def paired_s(fns: list[Callable[[], object]], repeats: int, device: torch.device) -> list[list[float]]:
+    """Wall seconds of each of `fns` over `repeats` rounds after one warm-up each, run in turn within a round (in
+    reverse order every other round), so that a drift of the machine's speed hits each alike."""
+    for fn in fns:
         fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            sync(device)
+            start = time.perf_counter()
+            fns[i]()
+            sync(device)
+            times[i].append(time.perf_counter() - start)
+    return times
 
 
 def token_ids(kind: str, shape: tuple[int, int], vocab: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -195,27 +208,31 @@ def save(report: dict, path: str) -> None:
 
 
 def run_prefill(args, device: torch.device) -> dict:
-    """Forward of batch x seq tokens: dense, then each STEM ratio resident, host (1/2 and full) and engine (1/2)."""
-    shape, compiled = (args.batch_size, args.seq_len), None
+    """Forward of batch x seq tokens: each STEM ratio resident, timed in turn with dense (both models in memory), then
+    host (1/2 and full) and engine (1/2)."""
+    shape, dtype = (args.batch_size, args.seq_len), getattr(torch, args.dtype)
     ids = {kind: token_ids(kind, shape, VOCAB[args.shape], device) for kind in ("uniform", "zipf")}
-    dense = build(args.shape, None, device, getattr(torch, args.dtype))
-    dense_s = {kind: prefill(dense, x, args.repeats, device) for kind, x in ids.items()}
-    if args.compile:
-        compiled = torch.compile(dense, fullgraph=True)
-        dense_s["compiled"] = prefill(compiled, ids["uniform"], args.repeats, device)
-    del dense, compiled
-    free()
-    out = {"dense_ms": {k: round(v * 1e3, 3) for k, v in dense_s.items()}}
+    dense = build(args.shape, None, device, dtype)
+    dense_compiled = torch.compile(dense, fullgraph=True) if args.compile else None
+    out, dense_times = {"dense_ms": {}}, {"uniform": [], "zipf": [], "compiled": []}
     for spec in tqdm(SPECS, desc="prefill"):
-        model = build(args.shape, spec, device, getattr(torch, args.dtype))
+        model = build(args.shape, spec, device, dtype)
         context = (args.seq_len + 1) / 2
         row = {"predicted_speedup": round(predicted(model.config, context), 3)}
-        for kind, x in ids.items():
-            resident = prefill(model, x, args.repeats, device)
-            row[kind] = {"resident_ms": round(resident * 1e3, 3), "speedup": round(dense_s[kind] / resident, 3)}
+        pairs = {kind: (dense, model, x) for kind, x in ids.items()}
         if args.compile:
-            compiled = prefill(torch.compile(model, fullgraph=True), ids["uniform"], args.repeats, device)
-            row["compiled"] = {"ms": round(compiled * 1e3, 3), "speedup": round(dense_s["compiled"] / compiled, 3)}
+            pairs["compiled"] = (dense_compiled, torch.compile(model, fullgraph=True), ids["uniform"])
+        for kind, (reference, stem, x) in pairs.items():
+            with torch.inference_mode():
+                reference_s, stem_s = paired_s([partial(reference, x), partial(stem, x)], args.repeats, device)
+            dense_times[kind] += reference_s
+            dense_ms, stem_ms = statistics.median(reference_s) * 1e3, statistics.median(stem_s) * 1e3
+            key = "ms" if kind == "compiled" else "resident_ms"
+            row[kind] = {
+                "dense_ms": round(dense_ms, 3),
+                key: round(stem_ms, 3),
+                "speedup": round(dense_ms / stem_ms, 3),
+            }
         if spec != "1/3" and device.type != "cpu":
             to_host(model)
             for kind, x in ids.items():
@@ -230,6 +247,9 @@ def run_prefill(args, device: torch.device) -> dict:
         del model
         free()
         out[spec] = row
+    out["dense_ms"] = {k: round(statistics.median(v) * 1e3, 3) for k, v in dense_times.items() if v}
+    del dense, dense_compiled
+    free()
     return out
 
 

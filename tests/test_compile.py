@@ -279,6 +279,9 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         row = report["prefill"][spec]
         assert row["predicted_speedup"] > 1 and {"uniform", "zipf", "compiled"} <= row.keys()
         assert row["uniform"]["speedup"] > 0 and row["compiled"]["speedup"] > 0
+        for kind in ("uniform", "zipf", "compiled"):  # dense timed in turn with each STEM model: the ratio's own
+            stem_ms = row[kind].get("resident_ms", row[kind].get("ms"))
+            assert row[kind]["speedup"] == pytest.approx(row[kind]["dense_ms"] / stem_ms, rel=1e-2, abs=2e-3)
     for spec in ("1/2", "full"):
         row = report["train"][spec]
         assert row["predicted_speedup"] > 1 and row["adamw"]["ms"] > 0 and row["row_sparse_adamw"]["ms"] > 0
