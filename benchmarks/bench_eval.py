@@ -16,10 +16,10 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from stem_hf.checkpoint_stem import REPORT_FILE, RESULTS_FILE
 from stem_hf.conversion.sources import load_source
 from stem_hf.evaluation import evaluate, headline_metrics, load_for_eval
 from stem_hf.model_card import write_model_card
-from stem_hf.storage_stem import REPORT_FILE, RESULTS_FILE
 
 
 def _timed_eval(model, tasks, tokenizer, output=None) -> tuple[dict, float]:

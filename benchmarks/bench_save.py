@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from stem_hf import StemConfig, StemForCausalLM
-from stem_hf.storage_stem import SAVE_ID_KEY, stamp_safetensors
+from stem_hf.checkpoint_stem import SAVE_ID_KEY, stamp_safetensors
 
 # About 720 MB of fp32 dense weights (embedding and head untied) and 540 MB of bf16 tables.
 SHAPE = dict(

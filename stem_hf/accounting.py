@@ -9,9 +9,9 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from torch import nn
 
+from .checkpoint_stem import CONFIG_NAME
 from .configuration_stem import StemConfig
 from .modeling_stem import StemForCausalLM
-from .storage_stem import CONFIG_NAME
 
 # Conventions follow the paper: the token embedding and the LM head count as active parameters, and a STEM layer
 # activates one table row (intermediate_size parameters) per token.

@@ -263,12 +263,12 @@ def _load_model(checkpoint: str):
 
 def _converted_from(checkpoint: str) -> str | None:
     """The local dense source a converted checkpoint's report names, if it is still there."""
-    from .storage_stem import REPORT_FILE
+    from .checkpoint_stem import REPORT_FILE
 
     path = os.path.join(checkpoint, REPORT_FILE)
     if not os.path.isfile(path):
         return None
-    from .storage_stem import provenance_matches
+    from .checkpoint_stem import provenance_matches
 
     try:
         with open(path) as f:

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .storage_stem import FREED_TABLES, unsaved_id
+from .checkpoint_stem import FREED_TABLES, unsaved_id
 
 STRATEGIES = ("pad", "subset", "mean")
 

@@ -17,10 +17,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging
 
 from .accounting import read_model_type
+from .checkpoint_stem import RESULTS_FILE, SAVE_ID_KEY
 from .configuration_stem import StemConfig
 from .extras import require
 from .modeling_stem import StemForCausalLM
-from .storage_stem import RESULTS_FILE, SAVE_ID_KEY
 
 logger = logging.get_logger(__name__)
 

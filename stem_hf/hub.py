@@ -14,9 +14,7 @@ from transformers.utils import logging
 from transformers.utils.hub import create_and_tag_model_card
 
 from .accounting import check_local, load_config
-from .model_card import CARD_FILE, MARKER, write_model_card
-from .offload import STORE_NAME
-from .storage_stem import (
+from .checkpoint_stem import (
     PROVENANCE_FILES,
     SAVE_ID_KEY,
     check_checkpoint_files,
@@ -25,6 +23,8 @@ from .storage_stem import (
     stale_provenance,
     write_card,
 )
+from .model_card import CARD_FILE, MARKER, write_model_card
+from .offload import STORE_NAME
 
 logger = logging.get_logger(__name__)
 

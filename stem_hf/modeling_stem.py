@@ -8,13 +8,16 @@ the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a
 Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
 """
 
+import math
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -29,6 +32,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .checkpoint_stem import FREED_TABLES, load_checkpoint, save_checkpoint, unsaved_id
 from .compat_stem import (
     CACHE_ARG,
     CACHE_ARGS,
@@ -38,15 +42,6 @@ from .compat_stem import (
     takes_cache,
 )
 from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
-from .storage_stem import (
-    StemSoftPromptRows,
-    StemTable,
-    StemTables,
-    load_checkpoint,
-    save_checkpoint,
-    unsaved_id,
-    xavier_normal_std,
-)
 
 logger = logging.get_logger(__name__)
 check_transformers_version()
@@ -224,6 +219,314 @@ class StemMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class StemTable(nn.Embedding):
+    """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
+    the token embedding and give it the paper's xavier-normal init."""
+
+
+# Host tables serving an accelerator: one worker thread gathers rows into pinned memory and starts their copy on a side
+# stream, this many STEM layers ahead of the layer that reads them.
+HOST_ROWS_AHEAD = 2
+_ROW_WORKER: ThreadPoolExecutor | None = None
+_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _row_worker() -> ThreadPoolExecutor:
+    global _ROW_WORKER
+    if _ROW_WORKER is None:
+        _ROW_WORKER = ThreadPoolExecutor(1, thread_name_prefix="stem-host-rows")
+    return _ROW_WORKER
+
+
+class StemHostRowsGrad(torch.autograd.Function):
+    """Rows gathered on the host and copied to the accelerator, made differentiable in the host table: the backward
+    copies the distinct rows' gradients back and hands the table a sparse gradient (if the table is `sparse`) or a
+    dense one, as the table's own lookup would."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, unique: torch.Tensor, rows: torch.Tensor, sparse: bool) -> torch.Tensor:
+        ctx.save_for_backward(unique)
+        ctx.shape, ctx.dtype, ctx.sparse = weight.shape, weight.dtype, sparse
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (unique,) = ctx.saved_tensors
+        grad = grad.to(unique.device, ctx.dtype)
+        if ctx.sparse:
+            rows = torch.sparse_coo_tensor(unique[None], grad, ctx.shape, is_coalesced=True, check_invariants=False)
+            return rows, None, None, None
+        return grad.new_zeros(ctx.shape).index_copy_(0, unique, grad), None, None, None
+
+
+class StemTableRows:
+    """The table rows of one batch, handed out per STEM layer.
+
+    A table on the device of the ids is looked up by the layer that asks, inside its (possibly checkpointed)
+    forward, so activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a
+    model on an accelerator is read on the host for the batch's distinct ids only, and only those rows cross: a worker
+    thread gathers them into pinned memory and copies them on a side stream `HOST_ROWS_AHEAD` STEM layers ahead, so
+    the reads and copies overlap the layers before. Rows stay differentiable in the host table (`StemHostRowsGrad`).
+    An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
+    """
+
+    def __init__(self, tables: "StemTables", stem_input_ids: torch.LongTensor):
+        self.tables = tables
+        self.stem_input_ids = stem_input_ids
+        self._unique = None
+        self._ahead: dict[int, Future] = {}
+        self._served: set[int] = set()
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        table = self.tables[str(layer_idx)]
+        if table.weight.shape[0] == 0:
+            raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
+        if not self.host_served(table):
+            return table(self.stem_input_ids)
+        return self.host_rows(layer_idx)
+
+    def host_served(self, table: nn.Embedding) -> bool:
+        """Whether `table` lives on another device than the ids (meta: an accelerate hook brings the weight)."""
+        device = table.weight.device
+        return device != self.stem_input_ids.device and device.type != "meta"
+
+    def distinct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's distinct ids on the host and, on the ids' device, where each position's row is among them.
+        Computed once per forward: the forward's one host sync."""
+        if self._unique is None:
+            unique, inverse = torch.unique(self.stem_input_ids.cpu(), return_inverse=True)
+            self._unique = unique, inverse.to(self.stem_input_ids.device, non_blocking=True)
+        return self._unique
+
+    def host_rows(self, layer_idx: int) -> torch.Tensor:
+        """Layer `layer_idx`'s rows from its host table, fetched ahead by the worker."""
+        unique, inverse = self.distinct()
+        table = self.tables[str(layer_idx)]
+        if torch.compiler.is_compiling() or type(table) is not StemTable or table._forward_hooks:
+            # Under compile a thread is not traceable; a wrapped table (PEFT's trainable tokens) or a hooked one
+            # computes its rows in its own forward.
+            return table(unique).to(self.stem_input_ids.device)[inverse]
+        if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
+            rows, ready = self._fetch(table, unique, self._main_stream())
+        else:
+            self._fetch_ahead(layer_idx)
+            rows, ready = self._ahead.pop(layer_idx).result()
+            self._served.add(layer_idx)
+        if ready is not None:
+            torch.cuda.current_stream(rows.device).wait_event(ready)
+        if torch.is_grad_enabled() and table.weight.requires_grad:
+            rows = StemHostRowsGrad.apply(table.weight, unique, rows, table.sparse)
+        return rows[inverse]
+
+    def _main_stream(self):
+        device = self.stem_input_ids.device
+        return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def _fetch_ahead(self, layer_idx: int) -> None:
+        """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
+        layers = sorted(int(k) for k, t in self.tables.items() if int(k) >= layer_idx and self.host_served(t))
+        unique, _ = self.distinct()
+        main = self._main_stream()  # read in this thread: the worker's current stream is another
+        for layer in layers[: 1 + HOST_ROWS_AHEAD]:
+            if layer not in self._ahead and layer not in self._served:
+                self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
+
+    def _fetch(self, table: nn.Embedding, unique: torch.Tensor, main) -> tuple[torch.Tensor, object]:
+        """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only): gathered
+        into pinned memory, whose copy can run on the side stream while the main one computes."""
+        device = self.stem_input_ids.device
+        weight = table.weight.detach()
+        staged = torch.empty((len(unique), weight.shape[1]), dtype=weight.dtype, pin_memory=device.type == "cuda")
+        torch.index_select(weight, 0, unique, out=staged)
+        if device.type != "cuda":
+            return staged.to(device), None
+        if device not in _COPY_STREAMS:
+            _COPY_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _COPY_STREAMS[device]
+        with torch.cuda.stream(stream):
+            rows = staged.to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        rows.record_stream(main)  # made on the side stream, read on the main one
+        return rows, ready
+
+
+class StemSoftPromptRows:
+    """Rows for inputs whose first `num_soft` positions are soft prompts (embeddings with no token, as PEFT prompt
+    tuning prepends): those positions get a zero row, so a STEM layer's FFN adds nothing there."""
+
+    def __init__(self, rows, num_soft: int):
+        self.rows = rows
+        self.num_soft = num_soft
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        return nn.functional.pad(self.rows[layer_idx], (0, 0, self.num_soft, 0))
+
+
+_OPTIMIZER_HOOK = None  # the handle of `_check_optimizer`, registered at most once per process
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
+    table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
+    Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
+    decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
+    Trainer's groups."""
+    tables = getattr(optimizer, "_stem_tables", None)
+    if tables is None:
+        tables = optimizer._stem_tables = [
+            (group, p) for group in optimizer.param_groups for p in group["params"] if getattr(p, "_stem_table", False)
+        ]
+        decayed = next((group for group, _ in tables if group.get("weight_decay")), None)
+        if decayed is not None:
+            logger.warning(
+                f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "
+                "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
+                "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
+            )
+    for _, param in tables:
+        if param.dtype != torch.float32:
+            continue  # only an upcast table needs its state raised; optimizers may keep fp32 state on purpose
+        state = optimizer.state.get(param, {})
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dtype in (torch.bfloat16, torch.float16) and value.shape == param.shape:
+                state[key] = value.float()
+
+
+class StemTables(nn.ModuleDict):
+    """Every STEM layer's table, keyed by layer index: weights are named `model.stem_tables.{layer_idx}.weight`.
+
+    Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
+    accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
+
+    Trainable tables train in float32: `train()` casts them (`upcast_trainable`; set `upcast_for_training` to False to
+    keep them as stored) and sets `config.table_dtype` to float32, so that saves keep every update. A bf16 value moves
+    only by steps of 1/256 of its size: fine-tuning updates would round away in training and again at save time.
+    """
+
+    upcast_for_training: bool = True
+
+    def __init__(self, config: StemConfig):
+        dtype = getattr(torch, config.table_dtype)
+        super().__init__(
+            {str(i): StemTable(config.vocab_size, config.intermediate_size, dtype=dtype) for i in config.stem_layers}
+        )
+        self.config = config
+
+    def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
+        if self.training and torch.is_grad_enabled():
+            low = {
+                str(t.weight.dtype)[6:]
+                for t in self.values()
+                if t.weight.requires_grad and t.weight.dtype != torch.float32
+            }
+            if low:
+                logger.warning_once(
+                    f"training STEM tables in {', '.join(sorted(low))}: updates smaller than 1/256 of a value are lost "
+                    "to rounding. Call model.base_model.stem_tables.upcast_trainable() before wrapping the model for "
+                    "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
+                )
+        return StemTableRows(self, stem_input_ids)
+
+    def train(self, mode: bool = True) -> "StemTables":
+        super().train(mode)
+        if mode:
+            trainable = [t.weight for t in self.values() if t.weight.requires_grad]
+            for weight in trainable:
+                weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
+            global _OPTIMIZER_HOOK
+            if trainable and _OPTIMIZER_HOOK is None:
+                _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+            # A model wrapped for DDP/FSDP cannot change a parameter's dtype: there, upcast_trainable() is the
+            # caller's, before wrapping, and the forward warns.
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if self.upcast_for_training and not distributed:
+                self.upcast_trainable()
+        return self
+
+    def upcast_trainable(self) -> list[str]:
+        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is),
+        records float32 in `config.table_dtype` (what saves write: `model.set_table_dtype("bfloat16")` stores bf16
+        again), and returns their layer keys. Sharded (DTensor) tables are left as they are."""
+        keys = [
+            k
+            for k, t in self.items()
+            if t.weight.requires_grad
+            and t.weight.dtype != torch.float32
+            and t.weight.device.type != "meta"
+            and type(t.weight).__name__ != "DTensor"
+        ]
+        if not keys:
+            return []
+        stored = self.config.table_dtype
+        for key in keys:
+            self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
+        # Saves follow the config: float32 once every table is, so the updates are kept; with frozen tables still in
+        # their stored dtype, the config stays and the save warns that it rounds the trained ones.
+        if all(t.weight.dtype == torch.float32 for t in self.values()):
+            self.config.table_dtype = "float32"
+        logger.warning_once(
+            f"STEM tables {keys} train in float32: cast from {stored} in memory "
+            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); config.table_dtype is "
+            f"{self.config.table_dtype} (model.set_table_dtype chooses what saves write). Freeze them "
+            "(requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them as "
+            "stored"
+        )
+        return keys
+
+    def _apply(self, fn, recurse=True):
+        weight = next(self.parameters(), None)
+        if weight is None:
+            return super()._apply(fn, recurse)
+        # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
+        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
+        device = probe.device
+        if self.config.keep_tables_on_cpu and device.type != "cpu" and device != weight.device:
+            device = torch.device("cpu")  # a refused move: stay in, or come to, host memory
+        if probe.dtype == weight.dtype and device == probe.device:
+            return super()._apply(fn, recurse)  # no cast and no refused move: e.g. share_memory_, a move to CPU
+        if device == weight.device:
+            return self
+        if weight.device.type == "meta":  # nothing to copy: `to_empty` to an accelerator lands tables on the CPU
+            return super()._apply(lambda t: torch.empty_like(t, device=device), recurse)
+        return super()._apply(lambda t: t.to(device), recurse)
+
+    @property
+    def freed(self) -> bool:
+        """Whether `StemOffloadEngine(free_tables=True)` dropped the tables (they then hold no rows)."""
+        return any(table.weight.shape[0] == 0 for table in self.values())
+
+    def check_not_freed(self, what: str) -> None:
+        """Raises, naming `what`, where an offload engine freed the tables."""
+        if self.freed:
+            raise RuntimeError(f"{what}: {FREED_TABLES}")
+
+    @torch.no_grad()
+    def resize(self, new_num_tokens: int, mean_resizing: bool = True) -> None:
+        """Gives every table `new_num_tokens` rows. Kept rows are copied; new rows are the mean of the old rows
+        (`mean_resizing=True`: the table's best guess for a token it knows nothing about) or drawn from the paper's
+        xavier-normal init (`mean_resizing=False`)."""
+        self.check_not_freed("resize_token_embeddings")
+        for key, old in list(self.items()):
+            old_num_tokens, dim = old.weight.shape
+            if old_num_tokens == new_num_tokens:
+                continue
+            new = StemTable(new_num_tokens, dim, device=old.weight.device, dtype=old.weight.dtype)
+            kept = min(old_num_tokens, new_num_tokens)
+            new.weight[:kept] = old.weight[:kept]
+            if new_num_tokens > old_num_tokens:
+                if mean_resizing:
+                    new.weight[old_num_tokens:] = old.weight.mean(0, dtype=torch.float32).to(old.weight.dtype)
+                else:
+                    new.weight[old_num_tokens:].normal_(0.0, xavier_normal_std(new_num_tokens, dim))
+            new.weight.requires_grad_(old.weight.requires_grad)
+            self[key] = new
+
+
+def xavier_normal_std(vocab_size: int, intermediate_size: int) -> float:
+    return math.sqrt(2.0 / (vocab_size + intermediate_size))
+
+
 class StemTableMLP(nn.Module):
     """A STEM FFN: `down_proj(SiLU(gate_proj(x)) * rows)`, `rows` being this layer's table rows for the input tokens.
 
@@ -342,13 +645,13 @@ class StemPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, files checked and read as one save (`storage_stem.load_checkpoint`);
+        """`PreTrainedModel.from_pretrained`, files checked and read as one save (`checkpoint_stem.load_checkpoint`);
         tables stay in host memory under a `device_map`, memory-mapped when stored in `table_dtype`."""
         return load_checkpoint(cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs)
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with tables in their own shards, staged and atomic
-        (`storage_stem.save_checkpoint`). Adapters and non-saving ranks go through transformers as they are."""
+        (`checkpoint_stem.save_checkpoint`). Adapters and non-saving ranks go through transformers as they are."""
         if getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process):
             return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
         save_checkpoint(self, save_directory, super().save_pretrained, state_dict, **kwargs)
@@ -391,8 +694,8 @@ class StemModel(StemPreTrainedModel):
         )
         self.stem_tables = StemTables(config)
         self.row_source: StemRowSource | None = None  # None: `stem_tables`; see `set_row_source`
-        # Left out of device maps on purpose (`storage_stem.device_map_keeping_tables_on_cpu`); a non-None value makes
-        # transformers skip accelerate's check that every parameter has a device.
+        # Left out of device maps on purpose (`checkpoint_stem.device_map_keeping_tables_on_cpu`); a non-None value
+        # makes transformers skip accelerate's check that every parameter has a device.
         self._no_placement_params = [f"stem_tables.{i}.weight" for i in config.stem_layers]
         self.norm = StemRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = StemRotaryEmbedding(config=config)
@@ -664,4 +967,18 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["StemForCausalLM", "StemModel", "StemPreTrainedModel", "StemRowSource", "StemRows", "check_token_ids"]
+__all__ = [
+    "HOST_ROWS_AHEAD",
+    "StemForCausalLM",
+    "StemHostRowsGrad",
+    "StemModel",
+    "StemPreTrainedModel",
+    "StemRowSource",
+    "StemRows",
+    "StemSoftPromptRows",
+    "StemTable",
+    "StemTableRows",
+    "StemTables",
+    "check_token_ids",
+    "xavier_normal_std",
+]

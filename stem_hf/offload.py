@@ -35,8 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .accounting import available_memory, check_disk_room, load_config
-from .modeling_stem import check_token_ids
-from .storage_stem import (
+from .checkpoint_stem import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAVE_ID_KEY,
     TABLE_KEY,
@@ -50,6 +49,7 @@ from .storage_stem import (
     read_safetensors_metadata,
     reading_checkpoint,
 )
+from .modeling_stem import check_token_ids
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
 # The mapped store's file, beside the checkpoint's weights, and the one tensor in it: `[vocab, stem_layers, d_ff]`.

@@ -16,26 +16,29 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from . import StemConfig, StemForCausalLM, StemModel, __version__
 from .accounting import check_local, check_stem
+from .checkpoint_stem import CONFIG_NAME, commit_lock
 from .compat_stem import SUPPORTED_TRANSFORMERS, parse_range
-from .storage_stem import CONFIG_NAME, commit_lock
 
 RANGE_KEY = "supported_transformers"
 # What `save_pretrained` of a STEM model writes into `auto_map`: a config without it holds no stem-hf code to refresh.
 AUTO_MAP = {"AutoConfig": "configuration_stem.StemConfig", "AutoModelForCausalLM": "modeling_stem.StemForCausalLM"}
 LAST_CODE = "modeling_stem.py"  # the module transformers loads first; it imports the others
+# Code files an older stem-hf saved that this one does not (storage_stem.py became checkpoint_stem.py, its tables moving
+# into modeling_stem.py): a refresh removes them, after the new code is in place.
+OBSOLETE_CODE = ("storage_stem.py",)
 TEMP_PREFIX = ".stem-refresh-"  # hidden and `.tmp`: `stem-hf push` never uploads one left by a killed refresh
 
 
 @dataclass(frozen=True)
 class RefreshResult:
     """What `refresh_code` found: `changed` names the files that differed from this package's (replaced, unless
-    `check_only`); `commit_url` is the Hub commit or pull request that replaced them (None for a folder, a check, or a
-    repo already up to date)."""
+    `check_only`) and the obsolete code files present (`OBSOLETE_CODE`, removed unless `check_only`); `commit_url` is
+    the Hub commit or pull request that replaced them (None for a folder, a check, or a repo already up to date)."""
 
     target: str
     changed: tuple[str, ...]
@@ -135,9 +138,10 @@ def _refresh_folder(folder: Path, check_only: bool, force: bool) -> RefreshResul
     files = _new_files(config)
     before = {name: _read(folder / name) for name in files}
     changes = {name: data for name, data in files.items() if before[name] != data}
-    if changes and not check_only:
-        _replace_files(folder, changes, before)
-    return RefreshResult(str(folder), tuple(sorted(changes)), check_only)
+    obsolete = [name for name in OBSOLETE_CODE if (folder / name).exists()]
+    if (changes or obsolete) and not check_only:
+        _replace_files(folder, changes, before, obsolete)
+    return RefreshResult(str(folder), tuple(sorted([*changes, *obsolete])), check_only)
 
 
 def _rename_order(changes: dict[str, bytes], before: dict[str, bytes | None]) -> list[str]:
@@ -165,10 +169,13 @@ def _stage(folder: Path, name: str, data: bytes, mode: int) -> str:
     return temp
 
 
-def _replace_files(folder: Path, changes: dict[str, bytes], before: dict[str, bytes | None]) -> None:
-    """Stages every new file, then renames each into place in `_rename_order`; removes what it staged if anything fails.
+def _replace_files(
+    folder: Path, changes: dict[str, bytes], before: dict[str, bytes | None], obsolete: list[str]
+) -> None:
+    """Stages every new file, then renames each into place in `_rename_order` and removes the `obsolete` code files
+    (which the new code no longer imports); removes what it staged if anything fails.
 
-    The renames hold the folder's commit lock (`storage_stem.commit_lock`), as a save's do: loads in progress finish
+    The renames hold the folder's commit lock (`checkpoint_stem.commit_lock`), as a save's do: loads in progress finish
     first and loads that start meanwhile wait, so none reads old code with a new config. A file that changed since it
     was read (a save into the folder meanwhile) stops the refresh before its rename, so that an old config.json, with
     its save id, is not put back over a new save's."""
@@ -184,6 +191,8 @@ def _replace_files(folder: Path, changes: dict[str, bytes], before: dict[str, by
                 if _read(folder / name) != before[name]:
                     raise RuntimeError(f"{folder / name} changed while its code was refreshed (a save?); run it again")
                 os.replace(staged.pop(name), folder / name)
+            for name in obsolete:
+                os.remove(folder / name)
             _fsync_folder(folder)
     finally:
         for temp in staged.values():
@@ -236,17 +245,19 @@ def _refresh_repo(
         _check_not_newer(config, repo_id)
     files = _new_files(config)
     present = {sibling.rfilename for sibling in head.siblings or []}
+    obsolete = [name for name in OBSOLETE_CODE if name in present]
     changed = tuple(
         name
         for name, data in files.items()
         if name not in present or Path(api.hf_hub_download(repo_id, name, revision=head.sha)).read_bytes() != data
-    )
+    ) + tuple(obsolete)
     if check_only or not changed:
         return RefreshResult(repo_id, changed, check_only)
+    # Every code file, so that the repo's code is this package's as a whole; unchanged ones are no-ops.
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()]
     commit = api.create_commit(
         repo_id,
-        # Every code file, so that the repo's code is this package's as a whole; unchanged ones are no-ops.
-        [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()],
+        operations + [CommitOperationDelete(path_in_repo=name) for name in obsolete],
         commit_message=f"Refresh STEM model code for transformers{SUPPORTED_TRANSFORMERS} (stem-hf {__version__})",
         commit_description="Replaced: " + ", ".join(changed),
         revision=revision,

@@ -15,8 +15,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
+from .checkpoint_stem import TABLE_KEY
 from .extras import require
-from .storage_stem import TABLE_KEY, StemTable, StemTables
+from .modeling_stem import StemTable, StemTables
 
 logger = logging.get_logger(__name__)
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype

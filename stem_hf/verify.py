@@ -8,7 +8,7 @@ import torch
 from tqdm import tqdm
 
 from .accounting import load_config
-from .storage_stem import (
+from .checkpoint_stem import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     check_checkpoint_files,

@@ -134,7 +134,7 @@ def test_gradients_reach_host_tables_from_a_cuda_forward():
 
 
 def test_host_rows_come_ahead_from_the_worker_and_train_with_sparse_gradients_on_cuda(monkeypatch):
-    from stem_hf.storage_stem import StemTableRows
+    from stem_hf.modeling_stem import StemTableRows
 
     threads, fetch = [], StemTableRows._fetch
 

@@ -19,7 +19,7 @@ CHECKPOINT_FILES = {
     "compat_stem.py",
     "configuration_stem.py",
     "modeling_stem.py",
-    "storage_stem.py",
+    "checkpoint_stem.py",
     "model.safetensors.index.json",
     "model-00001-of-00001.safetensors",
     "stem-tables-00001-of-00001.safetensors",

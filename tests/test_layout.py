@@ -11,7 +11,7 @@ import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "stem_hf"
-REMOTE_CODE = ("compat_stem.py", "configuration_stem.py", "modeling_stem.py", "storage_stem.py")
+REMOTE_CODE = ("checkpoint_stem.py", "compat_stem.py", "configuration_stem.py", "modeling_stem.py")
 MAX_FUNCTION_LINES = 80
 
 
@@ -109,6 +109,7 @@ def test_remote_code_imports_only_what_transformers_model_files_do(file):
 
 STDLIB = (
     "collections",
+    "concurrent",
     "contextlib",
     "contextvars",
     "ctypes",

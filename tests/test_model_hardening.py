@@ -291,7 +291,7 @@ def test_under_torch_distributed_train_leaves_tables_and_upcast_trainable_casts_
 
 
 def test_training_or_editing_unties_a_model_from_its_checkpoint_and_a_save_ties_it_again(tmp_path):
-    from stem_hf.storage_stem import provenance_matches, read_save_id
+    from stem_hf.checkpoint_stem import provenance_matches, read_save_id
 
     tiny_model().save_pretrained(tmp_path)
     model = StemForCausalLM.from_pretrained(tmp_path)

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.accounting import flops_per_token, num_active_parameters, num_dense_parameters, num_table_parameters
 from stem_hf.demo import PAPER_1B
-from stem_hf.modeling_stem import StemMLP, StemTableMLP
-from stem_hf.storage_stem import StemTable, StemTableRows
+from stem_hf.modeling_stem import StemMLP, StemTable, StemTableMLP, StemTableRows
 from tests.conftest import TINY, sensitive_model, tiny_config, tiny_model
 
 

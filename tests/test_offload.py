@@ -260,7 +260,7 @@ def _without_save_id(path: str, out) -> str:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from stem_hf.storage_stem import SAVE_ID_KEY
+    from stem_hf.checkpoint_stem import SAVE_ID_KEY
 
     with safe_open(path, "pt") as f:
         metadata = {k: v for k, v in f.metadata().items() if k != SAVE_ID_KEY}

@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers.integrations.accelerate import expand_device_map
 
-from stem_hf import StemForCausalLM, storage_stem
+from stem_hf import StemForCausalLM, checkpoint_stem
+from stem_hf.checkpoint_stem import device_map_keeping_tables_on_cpu
 from stem_hf.compat_stem import CACHE_ARG
-from stem_hf.storage_stem import StemTableRows, device_map_keeping_tables_on_cpu
+from stem_hf.modeling_stem import StemTableRows
 from tests.conftest import mapped_file, sensitive_model, tiny_model
 
 TABLE, DENSE = "model.stem_tables.1.weight", "model.layers.1.mlp.gate_proj.weight"
@@ -57,7 +58,7 @@ def test_the_map_is_rewritten_only_when_tables_stay_on_cpu(tmp_path, monkeypatch
     calls = []
     rewrite = device_map_keeping_tables_on_cpu
     monkeypatch.setattr(
-        storage_stem,
+        checkpoint_stem,
         "device_map_keeping_tables_on_cpu",
         lambda cls, *args: calls.append(args[1]) or rewrite(cls, *args),
     )

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from stem_hf import StemForCausalLM
 from stem_hf.cli import main
 from stem_hf.compat_stem import SUPPORTED_TRANSFORMERS
-from stem_hf.refresh import TEMP_PREFIX, code_files, refresh_code
+from stem_hf.refresh import OBSOLETE_CODE, TEMP_PREFIX, code_files, refresh_code
 from stem_hf.remote_check import load_without_package
 from tests.conftest import tiny_model
 from tests.fake_hub import fake_hub, hub_env, run_against_hub
@@ -43,11 +43,12 @@ def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def _stale(folder: Path) -> set[str]:
-    """The files a refresh of `folder` should replace: code files that differ from the package's, and config.json."""
+    """The files a refresh of `folder` should replace or remove: code files that differ from the package's, obsolete
+    ones (storage_stem.py, renamed checkpoint_stem.py), and config.json."""
     differ = {
         n for n, p in code_files().items() if not (folder / n).exists() or (folder / n).read_bytes() != p.read_bytes()
     }
-    return differ | {"config.json"}
+    return differ | {n for n in OBSOLETE_CODE if (folder / n).exists()} | {"config.json"}
 
 
 def test_code_files_are_the_files_save_pretrained_copies(tmp_path):
@@ -56,7 +57,7 @@ def test_code_files_are_the_files_save_pretrained_copies(tmp_path):
     assert (
         set(code_files())
         == set(saved)
-        == {"compat_stem.py", "configuration_stem.py", "modeling_stem.py", "storage_stem.py"}
+        == {"compat_stem.py", "configuration_stem.py", "modeling_stem.py", "checkpoint_stem.py"}
     )
     assert all(path.read_bytes() == saved[name] for name, path in code_files().items())
 
@@ -69,6 +70,7 @@ def test_a_refreshed_5_23_checkpoint_gives_its_saved_logits_and_tokens_without_t
     assert set(result.changed) == _stale(DATA / "checkpoint") and result.commit_url is None
     assert {n: v for n, v in _snapshot(folder).items() if n in weights} == weights  # weights, card: not touched
     assert all((folder / n).read_bytes() == p.read_bytes() for n, p in code_files().items())
+    assert "storage_stem.py" in result.changed and not (folder / "storage_stem.py").exists()  # 5.23's, now unused
     # config.json as transformers writes it, only the range changed: its save id still matches the weights'.
     old_range = json.loads(old_config)["supported_transformers"]
     assert (folder / "config.json").read_text() == old_config.replace(old_range, SUPPORTED_TRANSFORMERS)
@@ -102,7 +104,8 @@ def test_a_refresh_cut_before_modeling_stem_py_leaves_a_checkpoint_that_loads(fo
     assert torch.equal(remote["logits"], REFERENCE["logits"])
     if MINOR < (5, 24):
         assert torch.equal(remote["generated"], GREEDY)
-    assert set(refresh_code(folder).changed) == {"modeling_stem.py", "config.json"}  # running it again finishes
+    # Running it again finishes: modeling_stem.py, config.json, and 5.23's storage_stem.py, which no file imports now.
+    assert set(refresh_code(folder).changed) == {"modeling_stem.py", "config.json", "storage_stem.py"}
 
 
 def _without_auto_map(config: dict) -> dict:
@@ -152,10 +155,11 @@ def test_check_exits_1_until_the_refresh_and_a_second_refresh_changes_nothing(fo
     with pytest.raises(SystemExit) as exit:
         main(["refresh-code", str(folder), "--check"])
     assert exit.value.code == 1
-    assert "differs from this stem-hf's code in compat_stem.py, config.json" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "differs from this stem-hf's code in checkpoint_stem.py, compat_stem.py, config.json" in out
     assert _snapshot(folder) == before
     main(["refresh-code", str(folder)])
-    assert "replaced compat_stem.py" in capsys.readouterr().out
+    assert "replaced checkpoint_stem.py, compat_stem.py" in capsys.readouterr().out
     refreshed = _snapshot(folder)
     assert refresh_code(folder).changed == ()
     main(["refresh-code", str(folder), "--check"])  # returns: exit status 0
@@ -274,7 +278,7 @@ REFRESH_REPO = """
 def test_a_refresh_waits_for_a_load_in_progress_before_its_renames(folder):
     import threading
 
-    from stem_hf.storage_stem import reading_checkpoint
+    from stem_hf.checkpoint_stem import reading_checkpoint
 
     before = _snapshot(folder)
     with reading_checkpoint(folder):  # a load of the folder in progress

@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from stem_hf import StemForCausalLM
+from stem_hf.checkpoint_stem import StemSafetensorsWriter, map_safetensors, read_safetensors_header
 from stem_hf.cli import main
 from stem_hf.conversion import convert
 from stem_hf.conversion import init_tables as init_tables_module
 from stem_hf.conversion.plan import ConversionPlan
 from stem_hf.conversion.save import StemTableStream
 from stem_hf.offload import STORE_NAME, StemHostTables, StemMappedTables, StemOffloadEngine, write_offload_store
-from stem_hf.storage_stem import StemSafetensorsWriter, map_safetensors, read_safetensors_header
 from tests.conftest import sensitive_model
 from tests.test_conversion import _cli_source
 
@@ -180,11 +180,11 @@ def test_the_writer_writes_what_safetensors_writes(tmp_path):
 
 
 def test_a_save_writes_tables_a_block_at_a_time(tmp_path, monkeypatch):
-    from stem_hf import storage_stem
+    from stem_hf import checkpoint_stem
 
     model = sensitive_model(table_dtype="bfloat16")
     model.save_pretrained(tmp_path / "whole")
-    monkeypatch.setattr(storage_stem, "WRITE_BLOCK_BYTES", 1000)  # 7 rows of 64 bf16 values per block
+    monkeypatch.setattr(checkpoint_stem, "WRITE_BLOCK_BYTES", 1000)  # 7 rows of 64 bf16 values per block
     blocks = []
     original = StemSafetensorsWriter.write
     monkeypatch.setattr(
@@ -355,10 +355,10 @@ def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):
 def test_a_failed_store_write_leaves_no_partial_file_and_a_full_disk_is_refused_first(saved, monkeypatch):
     from collections import namedtuple
 
-    from stem_hf import storage_stem
+    from stem_hf import checkpoint_stem
 
     folder, _ = saved
-    monkeypatch.setattr(storage_stem, "WRITE_BLOCK_BYTES", 1000)
+    monkeypatch.setattr(checkpoint_stem, "WRITE_BLOCK_BYTES", 1000)
     calls, original = [], StemSafetensorsWriter.write
 
     def fail(self, *args):

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stem_hf import StemForCausalLM, storage_stem
+from stem_hf import StemForCausalLM, checkpoint_stem
 from tests.conftest import tiny_model
 
 INDEX = "model.safetensors.index.json"
@@ -140,7 +140,7 @@ def test_interrupted_save_leaves_the_old_checkpoint_intact(saved, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt("power cut")
 
-    monkeypatch.setattr(storage_stem, "save_tables", fail)  # the table files, after the dense ones
+    monkeypatch.setattr(checkpoint_stem, "save_tables", fail)  # the table files, after the dense ones
     with torch.no_grad():
         model.model.stem_tables["1"].weight.add_(1)
     with pytest.raises(KeyboardInterrupt):
@@ -273,7 +273,7 @@ def test_a_forward_pages_in_only_the_rows_it_touches(tmp_path):
     # at 6% in one run of several), so the bound catches a load that reads the table, not every stray page.
     loaded = _table_resident_bytes()
     assert loaded < 0.25 * table_bytes, loaded / table_bytes
-    assert storage_stem.advise_random_access(reloaded.model.stem_tables["1"].weight)
+    assert checkpoint_stem.advise_random_access(reloaded.model.stem_tables["1"].weight)
     with torch.no_grad():
         reloaded(torch.randperm(16384)[:64][None])
     resident = _table_resident_bytes()
@@ -302,7 +302,7 @@ def test_interrupted_save_to_a_new_folder_leaves_nothing(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage_stem, "save_tables", fail)  # the table files, after the dense ones
+    monkeypatch.setattr(checkpoint_stem, "save_tables", fail)  # the table files, after the dense ones
     with pytest.raises(OSError, match="disk full"):
         tiny_model().save_pretrained(tmp_path / "new")
     assert list(tmp_path.iterdir()) == []

@@ -434,7 +434,7 @@ def _replace_all(source, folder) -> None:
 
 
 def test_a_load_that_meets_a_commit_waits_for_it_and_reads_only_the_new_save(saved, tmp_path):
-    from stem_hf.storage_stem import commit_lock
+    from stem_hf.checkpoint_stem import commit_lock
 
     model, folder = saved
     torch.manual_seed(1)
@@ -456,7 +456,7 @@ def test_a_load_that_meets_a_commit_waits_for_it_and_reads_only_the_new_save(sav
 
 
 def test_a_save_commits_only_after_loads_in_progress(saved):
-    from stem_hf.storage_stem import reading_checkpoint
+    from stem_hf.checkpoint_stem import reading_checkpoint
 
     model, folder = saved
     before = {p.name: p.stat().st_ino for p in folder.iterdir() if p.suffix == ".safetensors"}
@@ -474,7 +474,7 @@ def test_a_save_commits_only_after_loads_in_progress(saved):
 
 @pytest.mark.parametrize("replaced", [TABLES, DENSE, INDEX, "config.json"])
 def test_a_file_replaced_without_the_lock_during_a_read_fails_it(saved, tmp_path, replaced):
-    from stem_hf.storage_stem import reading_checkpoint
+    from stem_hf.checkpoint_stem import reading_checkpoint
 
     model, folder = saved
     tiny_model().save_pretrained(tmp_path / "other")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stem_hf import StemForCausalLM
-from stem_hf.storage_stem import read_safetensors_header
+from stem_hf.checkpoint_stem import read_safetensors_header
 from stem_hf.verify import non_finite_rows, verify_checkpoint
 from tests.conftest import tiny_model
 

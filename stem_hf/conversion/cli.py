@@ -8,8 +8,8 @@ from fnmatch import fnmatch
 
 from ..accounting import check_local
 from ..assets import CORPUS_NAMES, corpora, read_texts
+from ..checkpoint_stem import CONFIG_NAME
 from ..cli_args import non_negative_float, non_negative_int, positive_float, positive_int, share, utf8_text
-from ..storage_stem import CONFIG_NAME
 from .options import CALIBRATED_INITS, DTYPE_ALIASES, HEAL_PRECISIONS, HEAL_TRAINABLE, INITS, PRIOR_CONTEXT, REFITS
 
 __all__ = ["MODEL_FILES", "add_parsers", "model_files", "run", "run_convert"]

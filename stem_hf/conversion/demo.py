@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from ..accounting import format_bytes
 from ..assets import CORPUS_NAMES, corpora, smollm2_gguf
+from ..checkpoint_stem import SAFE_WEIGHTS_INDEX_NAME, TABLE_KEY
 from ..remote_check import load_without_package
-from ..storage_stem import SAFE_WEIGHTS_INDEX_NAME, TABLE_KEY
 from .convert import run_conversion
 from .plan import ConversionPlan
 from .sources import Source, load_source

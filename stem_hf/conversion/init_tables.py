@@ -18,7 +18,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers.utils import logging
 
-from ..storage_stem import xavier_normal_std
+from ..modeling_stem import xavier_normal_std
 from .calibrate import LayerStats, calibrate, context_inputs
 from .options import CALIBRATED_INITS
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
-from ..storage_stem import REPORT_FILE, SAVE_ID_KEY
+from ..checkpoint_stem import REPORT_FILE, SAVE_ID_KEY
 
 __all__ = ["ConversionReport", "perplexity", "write_report"]
 

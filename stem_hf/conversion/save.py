@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .. import StemForCausalLM, write_model_card
-from ..storage_stem import (
+from ..checkpoint_stem import (
     TABLE_KEY,
     StemSafetensorsWriter,
     map_safetensors,
@@ -28,7 +28,7 @@ __all__ = ["StemTableStream", "save_conversion"]
 
 class StemTableStream:
     """A conversion's checkpoint written while the conversion runs, so that no table is ever whole in memory. On entry
-    a staged folder for `out` (`storage_stem.staged_folder`) and the table shards in it (`table_shards`, at most
+    a staged folder for `out` (`checkpoint_stem.staged_folder`) and the table shards in it (`table_shards`, at most
     `max_shard_size` each) are opened; `write` puts each block of rows `init_tables` computes straight into its shard;
     `map_tables` then gives the model its tables as copy-on-write memory maps of those files (the refit and the report
     read them; pages come and go with the page cache); `save_conversion` adds the dense weights, index, tokenizer and

@@ -12,8 +12,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .. import StemConfig, StemForCausalLM
 from ..accounting import check_local, read_config_json
+from ..checkpoint_stem import CONFIG_NAME
 from ..modeling_stem import StemRotaryEmbedding
-from ..storage_stem import CONFIG_NAME
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
