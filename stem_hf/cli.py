@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 from .assets import read_texts
@@ -54,8 +55,14 @@ def _add_eval_parser(commands) -> None:
     evaluate.add_argument("--device", default="cpu", help="where the dense weights run, e.g. cuda")
     evaluate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     evaluate.add_argument(
-        "--tables-on-device", action="store_true", help="move STEM tables to --device too (default: host memory)"
+        "--keep-tables-on-cpu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep STEM tables in host memory, as StemConfig.keep_tables_on_cpu does (default); "
+        "--no-keep-tables-on-cpu moves them to --device too",
     )
+    # The old, inverted spelling of --no-keep-tables-on-cpu: accepted with a deprecation warning.
+    evaluate.add_argument("--tables-on-device", action="store_true", help=argparse.SUPPRESS)
     evaluate.add_argument("--batch-size", type=positive_int, default=1)
     evaluate.add_argument("--limit", type=eval_limit, help="examples per task (a fraction of them if below 1)")
     evaluate.add_argument("--num-fewshot", type=non_negative_int)
@@ -147,9 +154,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(json.dumps(summarize(load_config(args.checkpoint), args.context_length), indent=2))
     elif args.command == "demo" and args.tiny:
-        from .demo import run_demo
+        from .demo import run_tiny_demo
 
-        run_demo(args.out)
+        run_tiny_demo(args.out)
     elif args.command in ("demo", "convert"):
         from .conversion.cli import run
 
@@ -380,7 +387,10 @@ def run_eval(args: argparse.Namespace) -> dict:
     local = check_local(args.checkpoint) and os.path.isdir(args.checkpoint)
     output = args.output or (os.path.join(args.checkpoint, RESULTS_FILE) if local else RESULTS_FILE)
     check_writable(output)
-    model, tokenizer = load_for_eval(args.checkpoint, args.device, args.dtype, tables_on_cpu=not args.tables_on_device)
+    if args.tables_on_device:
+        print("stem-hf eval: --tables-on-device is deprecated; use --no-keep-tables-on-cpu", file=sys.stderr)
+    keep = args.keep_tables_on_cpu and not args.tables_on_device
+    model, tokenizer = load_for_eval(args.checkpoint, args.device, args.dtype, keep_tables_on_cpu=keep)
     results = evaluate(
         model,
         tasks,

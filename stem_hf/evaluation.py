@@ -9,6 +9,7 @@ import json
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,11 +35,21 @@ def load_for_eval(
     checkpoint: str | os.PathLike,
     device: str = "cpu",
     dtype: str = "auto",
-    tables_on_cpu: bool = True,
+    keep_tables_on_cpu: bool = True,
+    *,
+    tables_on_cpu: bool | None = None,
 ):
     """`(model, tokenizer)` from a local folder or Hub id. A STEM model on an accelerator keeps its tables in host
-    memory (memory-mapped) unless `tables_on_cpu=False`; `dtype` applies to the dense weights (tables keep
-    `config.table_dtype`). Code shipped inside the checkpoint is never run: STEM loads with this package's classes."""
+    memory (memory-mapped) unless `keep_tables_on_cpu=False` (`StemConfig.keep_tables_on_cpu`); `dtype` applies to
+    the dense weights (tables keep `config.table_dtype`). Code shipped inside the checkpoint is never run: STEM loads
+    with this package's classes. `tables_on_cpu` is the old name of `keep_tables_on_cpu` (deprecated)."""
+    if tables_on_cpu is not None:
+        warnings.warn(
+            "load_for_eval(tables_on_cpu=...) is deprecated: pass keep_tables_on_cpu=..., the name StemConfig uses",
+            FutureWarning,
+            stacklevel=2,
+        )
+        keep_tables_on_cpu = tables_on_cpu
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     checkpoint = os.fspath(checkpoint)
@@ -51,8 +62,8 @@ def load_for_eval(
             f"{checkpoint} holds a {model_type!r} model, neither STEM nor an architecture transformers ships: "
             "stem-hf eval does not run a checkpoint's own code"
         )
-    if not stem and not tables_on_cpu:
-        raise ValueError(f"tables_on_cpu: {checkpoint} is a {model_type!r} model, which has no STEM tables")
+    if not stem and not keep_tables_on_cpu:
+        raise ValueError(f"keep_tables_on_cpu: {checkpoint} is a {model_type!r} model, which has no STEM tables")
     try:  # before the weights: a missing tokenizer is found in a second, not after the model has loaded
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
     except (OSError, ValueError) as err:
@@ -64,7 +75,7 @@ def load_for_eval(
     if torch.device(device).type != "cpu":
         kwargs["device_map"] = {"": device}
     if stem:
-        model = StemForCausalLM.from_pretrained(checkpoint, keep_tables_on_cpu=tables_on_cpu, **kwargs)
+        model = StemForCausalLM.from_pretrained(checkpoint, keep_tables_on_cpu=keep_tables_on_cpu, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=False, **kwargs)
     return model.eval(), tokenizer

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from stem_hf.accounting import flops_per_token, num_active_parameters, num_table_parameters
 from stem_hf.cli import main
@@ -178,6 +179,21 @@ def test_eval_takes_a_limit_as_lm_eval_does():
     limits = {text: parse(["eval", "CK", "--tasks", "t", "--limit", text]).limit for text in ("2", "2.0", "0.25")}
     assert limits == {"2": 2, "2.0": 2, "0.25": 0.25}
     assert type(limits["2.0"]) is int
+
+
+def test_eval_names_host_tables_as_the_config_does_and_takes_the_old_flag_with_a_warning(tmp_path, capsys):
+    from stem_hf.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["eval", "CK", "--tasks", "t"]).keep_tables_on_cpu is True
+    assert parse(["eval", "CK", "--tasks", "t", "--no-keep-tables-on-cpu"]).keep_tables_on_cpu is False
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path)  # fmt: skip
+    for flag in ("--no-keep-tables-on-cpu", "--tables-on-device"):  # a dense model has no tables to move
+        with pytest.raises(ValueError, match="keep_tables_on_cpu: .* has no STEM tables"):
+            main(["eval", str(tmp_path), "--tasks", "stem_facts", flag, "--output", str(tmp_path / "r.json")])
+        deprecated = "--tables-on-device is deprecated; use --no-keep-tables-on-cpu" in capsys.readouterr().err
+        assert deprecated is (flag == "--tables-on-device")
 
 
 @pytest.mark.parametrize("out", ["", "checkpoint", "other folder"])

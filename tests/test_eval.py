@@ -133,8 +133,10 @@ def test_a_dense_baseline_evaluates_through_the_same_path(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "dense")
     results = evaluate(str(tmp_path / "dense"), ["stem_facts"], limit=4)
     assert 0.0 <= results["results"]["stem_facts"]["acc,none"] <= 1.0
-    with pytest.raises(ValueError, match="has no STEM tables"):
-        load_for_eval(tmp_path / "dense", tables_on_cpu=False)
+    with pytest.raises(ValueError, match="keep_tables_on_cpu: .* has no STEM tables"):
+        load_for_eval(tmp_path / "dense", keep_tables_on_cpu=False)
+    with pytest.warns(FutureWarning, match="pass keep_tables_on_cpu"), pytest.raises(ValueError, match="no STEM"):
+        load_for_eval(tmp_path / "dense", tables_on_cpu=False)  # the old name, still honoured
 
 
 @pytest.mark.slow
