@@ -1027,7 +1027,7 @@ def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
     freed = [name for name, tensor in tables.items() if tensor.shape[0] == 0]
     if freed:
         raise ValueError(f"{freed[0]} cannot be saved: {FREED_TABLES}")
-    stored = getattr(torch, model.config.table_dtype)
+    stored = model.config.torch_table_dtype
     finer = sorted({str(t.dtype)[6:] for t in tables.values() if t.itemsize > stored.itemsize})
     if finer:
         logger.warning_once(
@@ -1059,7 +1059,7 @@ def write_checkpoint(
         auto_map = getattr(model.config, "auto_map", None) or {}
         model.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
     save_dense(folder, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
-    dtype = getattr(torch, model.config.table_dtype)
+    dtype = model.config.torch_table_dtype
     save_id = finish_checkpoint(
         folder, tables, dtype, max_shard_size, model.num_parameters(), variant, save_id, written
     )

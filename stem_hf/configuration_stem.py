@@ -6,6 +6,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 import math
 from collections.abc import Callable, Sequence
 
+import torch
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
@@ -236,6 +237,21 @@ class StemConfig(PreTrainedConfig):
             self.base_model_tp_plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
         super().__post_init__(**kwargs)
         _check_rope(self.rope_parameters)  # after transformers turns legacy rope fields into rope_parameters
+
+    def __setattr__(self, key, value):
+        # Checked and resolved where it is set, once (the first set, in `__init__`, is resolved by `__post_init__`): a
+        # ratio set on a built config (`config.stem_layers = "1/2"`) is the explicit list at once, for the model, the
+        # checkpoint checks and the accounting alike.
+        if key == "stem_layers" and key in self.__dict__:
+            value = resolve_stem_layers(value, self.num_hidden_layers)
+        elif key == "table_dtype" and key in self.__dict__:
+            value = check_table_dtype(value)
+        super().__setattr__(key, value)
+
+    @property
+    def torch_table_dtype(self) -> torch.dtype:
+        """`table_dtype` as a torch dtype."""
+        return getattr(torch, self.table_dtype)
 
 
 __all__ = [

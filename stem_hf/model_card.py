@@ -12,7 +12,6 @@ import os
 import re
 from pathlib import Path
 
-import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
@@ -226,7 +225,7 @@ def _model_facts(config) -> dict:
         "flops": f"{s['flops_per_token']:,}",
         "dense_flops": f"{s['dense_flops_per_token']:,}",
         "flops_ratio": f"{s['flops_ratio_stem_over_dense']:.3f}",
-        "table_bytes": _bytes(s["table_params"] * getattr(torch, config.table_dtype).itemsize),
+        "table_bytes": _bytes(s["table_params"] * config.torch_table_dtype.itemsize),
     }
 
 

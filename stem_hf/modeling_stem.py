@@ -41,7 +41,7 @@ from .compat_stem import (
     rename_cache,
     takes_cache,
 )
-from .configuration_stem import StemConfig, check_table_dtype, resolve_stem_layers
+from .configuration_stem import StemConfig, check_table_dtype
 
 logger = logging.get_logger(__name__)
 check_transformers_version()
@@ -407,7 +407,7 @@ class StemTables(nn.ModuleDict):
     upcast_for_training: bool = True
 
     def __init__(self, config: StemConfig):
-        dtype = getattr(torch, config.table_dtype)
+        dtype = config.torch_table_dtype
         super().__init__(
             {str(i): StemTable(config.vocab_size, config.intermediate_size, dtype=dtype) for i in config.stem_layers}
         )
@@ -671,7 +671,7 @@ class StemPreTrainedModel(PreTrainedModel):
         """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""
         self.config.table_dtype = check_table_dtype(str(dtype).removeprefix("torch."))
         for table in self.base_model.stem_tables.values():
-            table.to(getattr(torch, self.config.table_dtype))
+            table.to(self.config.torch_table_dtype)
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
         """Also resizes every STEM table; new rows are the mean of the old ones (`mean_resizing`) or xavier-normal."""
@@ -684,8 +684,8 @@ class StemPreTrainedModel(PreTrainedModel):
 class StemModel(StemPreTrainedModel):
     def __init__(self, config: StemConfig):
         super().__init__(config)
-        # A config edited after construction may hold a ratio string again: the model builds from the explicit list.
-        config.stem_layers = resolve_stem_layers(config.stem_layers, config.num_hidden_layers)
+        if config.stem_layers and max(config.stem_layers) >= config.num_hidden_layers:  # num_hidden_layers set after
+            raise ValueError(f"stem_layers {config.stem_layers}: no such layer in {config.num_hidden_layers} layers")
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)

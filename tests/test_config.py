@@ -75,3 +75,25 @@ def test_invalid_config_raises_at_construction():
         tiny_config(stem_layers=[4])
     with pytest.raises(ValueError, match="num_key_value_heads"):
         tiny_config(num_attention_heads=4, num_key_value_heads=3)
+
+
+def test_stem_layers_and_table_dtype_set_on_a_built_config_are_resolved_and_checked_where_they_are_set():
+    import torch
+
+    from stem_hf import StemModel
+
+    config = tiny_config()
+    config.stem_layers = "1/2"
+    assert config.stem_layers == [1, 3]  # the explicit list at once, not when a model is built
+    config.stem_layers = "full"
+    assert config.stem_layers == [1, 2, 3] and json.loads(config.to_json_string())["stem_layers"] == [1, 2, 3]
+    with pytest.raises(ValueError, match="layer index 9 is out of range"):
+        config.stem_layers = [9]
+    assert config.torch_table_dtype == torch.bfloat16
+    config.table_dtype = "float32"
+    assert config.torch_table_dtype == torch.float32
+    with pytest.raises(ValueError, match="table_dtype: 'int8' is not one of"):
+        config.table_dtype = "int8"
+    config.num_hidden_layers = 3  # after the layers: the model refuses rather than build a table for no layer
+    with pytest.raises(ValueError, match=r"stem_layers \[1, 2, 3\]: no such layer in 3 layers"):
+        StemModel(config)

@@ -86,7 +86,7 @@ def init_tables(
     per group."""
     layers = stem.config.stem_layers if layers is None else layers
     vocab, width = stem.config.vocab_size, stem.config.intermediate_size
-    dtype = getattr(torch, stem.config.table_dtype)
+    dtype = stem.config.torch_table_dtype
     write = write or partial(_write_into, stem.model.stem_tables)
     uncalibrated = {"calibration_tokens": 0, "distinct_tokens": 0, "vocab_coverage": 0.0}
     if not layers:

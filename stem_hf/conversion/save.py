@@ -47,7 +47,7 @@ class StemTableStream:
         self._staged = staged_folder(self.out)
         self.folder = self._staged.__enter__()
         config = self.stem.config
-        dtype = getattr(torch, config.table_dtype)
+        dtype = config.torch_table_dtype
         shapes = {name: (config.vocab_size, config.intermediate_size) for name in self.names.values()}
         try:
             for file, names in table_shards(shapes, dtype, self.max_shard_size).items():
