@@ -28,7 +28,13 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from .configuration_stem import SUPPORTED_TRANSFORMERS, StemConfig, resolve_stem_layers
+from .configuration_stem import (
+    SUPPORTED_TRANSFORMERS,
+    TABLE_DTYPES,
+    StemConfig,
+    check_table_dtype,
+    resolve_stem_layers,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -973,7 +979,9 @@ def device_map_keeping_tables_on_cpu(
     """The device map transformers would use, with no entry that covers a table. Parameters outside the map load on
     CPU and get no accelerate hook, so the tables stay in host memory (memory-mapped) and each forward moves only the
     rows it needs; a "cpu" entry would instead copy the whole table to the accelerator at every forward."""
-    # Private helpers of transformers: what placing the dense part exactly as transformers would takes.
+    # Private helpers of transformers: what placing the dense part exactly as transformers would takes. Its own
+    # `_no_placement_params` (set on StemModel) is no substitute: it only lets a no-split module that fits nowhere
+    # leave those parameters out, and explicit maps ({"": 0}, "cuda:0") would still move every table.
     get_device_map = _transformers_name("transformers.integrations.accelerate", "_get_device_map")
     check_and_set_device_map = _transformers_name("transformers.integrations.accelerate", "check_and_set_device_map")
     if dtype is None or dtype == "auto":
@@ -1012,8 +1020,7 @@ def finish_load(model, save_id: str | None) -> None:
 
 
 def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
-    """(tables, dense) of `state_dict` (default: the model's), refusing tables offloaded to disk and warning where the
-    save rounds tables held in a finer dtype than `config.table_dtype`."""
+    """(tables, dense) of `state_dict` (default: the model's), refusing tables offloaded to disk or freed."""
     if state_dict is None:
         state_dict = model.state_dict()
     tables = {name: tensor for name, tensor in state_dict.items() if TABLE_KEY.search(name)}
@@ -1027,15 +1034,27 @@ def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
     freed = [name for name, tensor in tables.items() if tensor.shape[0] == 0]
     if freed:
         raise ValueError(f"{freed[0]} cannot be saved: {FREED_TABLES}")
+    return tables, dense
+
+
+def saved_table_dtype(model, tables: dict[str, torch.Tensor], table_dtype: str | torch.dtype | None = None) -> str:
+    """The dtype a save writes the tables in: `table_dtype` if the caller names one; else the tables' own where they
+    share one (float32 after training, which upcasts trainable tables: a save keeps every update); else, with tables
+    in different dtypes (some trained, some frozen), `config.table_dtype`, with a warning that it rounds the finer."""
+    if table_dtype is not None:
+        return check_table_dtype(str(table_dtype).removeprefix("torch."))
+    held = {str(t.dtype).removeprefix("torch.") for t in tables.values()}
+    if len(held) == 1 and next(iter(held)) in TABLE_DTYPES:
+        return held.pop()
     stored = model.config.torch_table_dtype
     finer = sorted({str(t.dtype)[6:] for t in tables.values() if t.itemsize > stored.itemsize})
     if finer:
         logger.warning_once(
             f"tables held in {', '.join(finer)} (trained: train() upcasts them) are saved in config.table_dtype "
             f"{model.config.table_dtype}, which rounds away updates smaller than its spacing; "
-            "model.set_table_dtype('float32') before saving keeps every update, in twice the bytes"
+            "save_pretrained(..., table_dtype='float32') keeps every update, in twice the bytes"
         )
-    return tables, dense
+    return model.config.table_dtype
 
 
 def write_checkpoint(
@@ -1046,22 +1065,28 @@ def write_checkpoint(
     max_shard_size: int | str = "50GB",
     save_id: str | None = None,
     written: dict[str, str] | None = None,
+    table_dtype: str | torch.dtype | None = None,
     **kwargs,
 ) -> str:
     """What `save_checkpoint` writes into its staging `folder`: config, code and dense weights by `save_dense`
-    (transformers' own), the tables, one index. `save_id` and `written` as `finish_checkpoint` takes them: a
-    conversion that streamed its tables into `folder` passes their weight map. Returns the save id, which the model
-    then records as that of the weights it holds."""
+    (transformers' own), the tables (in `saved_table_dtype`), one index. `save_id` and `written` as
+    `finish_checkpoint` takes them: a conversion that streamed its tables into `folder` passes their weight map.
+    Returns the save id, which the model then records as that of the weights it holds."""
     variant = kwargs.pop("variant", None) or None
     tables, dense = _split_state_dict(model, state_dict)
+    # Tables a conversion streamed into `folder` are in config.table_dtype already.
+    dtype = model.config.table_dtype if written is not None else saved_table_dtype(model, tables, table_dtype)
     # So that AutoModel.from_pretrained(..., trust_remote_code=True) finds the base model too.
     if model._auto_class is not None:
         auto_map = getattr(model.config, "auto_map", None) or {}
         model.config.auto_map = {**auto_map, "AutoModel": "modeling_stem.StemModel"}
-    save_dense(folder, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
-    dtype = model.config.torch_table_dtype
+    chosen, model.config.table_dtype = model.config.table_dtype, dtype  # config.json records what the files hold
+    try:
+        save_dense(folder, state_dict=dense, max_shard_size=max_shard_size, variant=variant, **kwargs)
+    finally:
+        model.config.table_dtype = chosen  # the model's config stays what its user set
     save_id = finish_checkpoint(
-        folder, tables, dtype, max_shard_size, model.num_parameters(), variant, save_id, written
+        folder, tables, getattr(torch, dtype), max_shard_size, model.num_parameters(), variant, save_id, written
     )
     model.stem_save_id = save_id  # the weights in memory are now those of this save
     return save_id
@@ -1077,7 +1102,7 @@ def save_checkpoint(
     **kwargs,
 ) -> str:
     """`save_pretrained` of a STEM model: `save_dense` (transformers' own) writes config, code and dense weights, and
-    the tables go to their own `stem-tables-XXXXX-of-YYYYY.safetensors` files (in `config.table_dtype`, at most
+    the tables go to their own `stem-tables-XXXXX-of-YYYYY.safetensors` files (in `saved_table_dtype`, at most
     `max_shard_size` each) listed with the dense shards in one `model.safetensors.index.json`. The save is staged in a
     hidden folder (beside a new `save_directory`, inside an existing one) and committed by renames, so an interrupted
     save never leaves half-written files in place of a good checkpoint; every weight file and the index, written last,
@@ -1145,6 +1170,7 @@ __all__ = [
     "read_safetensors_metadata",
     "read_index",
     "read_save_id",
+    "saved_table_dtype",
     "reading_checkpoint",
     "save_checkpoint",
     "save_tables",

@@ -13,7 +13,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers.utils import logging
 from transformers.utils.hub import create_and_tag_model_card
 
-from .accounting import check_local, load_config
+from .accounting import STORE_NAME, check_local, load_config
 from .checkpoint_stem import (
     PROVENANCE_FILES,
     SAVE_ID_KEY,
@@ -24,7 +24,6 @@ from .checkpoint_stem import (
     write_card,
 )
 from .model_card import CARD_FILE, MARKER, write_model_card
-from .offload import STORE_NAME
 
 logger = logging.get_logger(__name__)
 

@@ -399,9 +399,10 @@ class StemTables(nn.ModuleDict):
     Tables keep `config.table_dtype` through model-wide casts, and stay in host memory when the model moves to an
     accelerator if `config.keep_tables_on_cpu`: a model-wide `.to()` must not copy billions of table parameters.
 
-    Trainable tables train in float32: `train()` casts them (`upcast_trainable`; set `upcast_for_training` to False to
-    keep them as stored) and sets `config.table_dtype` to float32, so that saves keep every update. A bf16 value moves
-    only by steps of 1/256 of its size: fine-tuning updates would round away in training and again at save time.
+    Trainable tables train in float32: `train()` casts them in memory (`upcast_trainable`; set `upcast_for_training`
+    to False to keep them as stored), and a save then writes float32 tables unless told otherwise
+    (`save_pretrained(..., table_dtype=...)`). A bf16 value moves only by steps of 1/256 of its size: fine-tuning
+    updates would round away in training and again at save time. The config is never changed by training.
     """
 
     upcast_for_training: bool = True
@@ -445,9 +446,9 @@ class StemTables(nn.ModuleDict):
         return self
 
     def upcast_trainable(self) -> list[str]:
-        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is),
-        records float32 in `config.table_dtype` (what saves write: `model.set_table_dtype("bfloat16")` stores bf16
-        again), and returns their layer keys. Sharded (DTensor) tables are left as they are."""
+        """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is) and
+        returns their layer keys; `config.table_dtype` is left as it is. Sharded (DTensor) tables are left as they
+        are."""
         keys = [
             k
             for k, t in self.items()
@@ -461,16 +462,11 @@ class StemTables(nn.ModuleDict):
         stored = self.config.table_dtype
         for key in keys:
             self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
-        # Saves follow the config: float32 once every table is, so the updates are kept; with frozen tables still in
-        # their stored dtype, the config stays and the save warns that it rounds the trained ones.
-        if all(t.weight.dtype == torch.float32 for t in self.values()):
-            self.config.table_dtype = "float32"
         logger.warning_once(
             f"STEM tables {keys} train in float32: cast from {stored} in memory "
-            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB); config.table_dtype is "
-            f"{self.config.table_dtype} (model.set_table_dtype chooses what saves write). Freeze them "
-            "(requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them as "
-            "stored"
+            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB), and saves write them in float32 "
+            "(save_pretrained(..., table_dtype='bfloat16') rounds them). Freeze them (requires_grad_(False)) or set "
+            "model.base_model.stem_tables.upcast_for_training = False to keep them as stored"
         )
         return keys
 
@@ -649,12 +645,13 @@ class StemPreTrainedModel(PreTrainedModel):
         tables stay in host memory under a `device_map`, memory-mapped when stored in `table_dtype`."""
         return load_checkpoint(cls, super().from_pretrained, pretrained_model_name_or_path, *model_args, **kwargs)
 
-    def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained`, with tables in their own shards, staged and atomic
-        (`checkpoint_stem.save_checkpoint`). Adapters and non-saving ranks go through transformers as they are."""
+    def save_pretrained(
+        self, save_directory, is_main_process=True, state_dict=None, table_dtype=None, **kwargs
+    ) -> None:
+        """Staged, atomic; tables in own shards, in `table_dtype` or as held (`checkpoint_stem.save_checkpoint`)."""
         if getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process):
             return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
-        save_checkpoint(self, save_directory, super().save_pretrained, state_dict, **kwargs)
+        save_checkpoint(self, save_directory, super().save_pretrained, state_dict, table_dtype=table_dtype, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> str:
         """Uploads what `save_pretrained` writes, with card and provenance when stem_hf is installed (`push_model`)."""
@@ -668,7 +665,7 @@ class StemPreTrainedModel(PreTrainedModel):
         return super().train(mode)
 
     def set_table_dtype(self, dtype: torch.dtype | str) -> None:
-        """Casts every table to `dtype` and records it in `config.table_dtype` (what saves write and loads expect)."""
+        """Casts every table to `dtype` and records it in `config.table_dtype` (what new tables and loads use)."""
         self.config.table_dtype = check_table_dtype(str(dtype).removeprefix("torch."))
         for table in self.base_model.stem_tables.values():
             table.to(self.config.torch_table_dtype)

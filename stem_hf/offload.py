@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .accounting import available_memory, check_disk_room, load_config
+from .accounting import STORE_NAME, load_config
 from .checkpoint_stem import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAVE_ID_KEY,
@@ -50,10 +50,10 @@ from .checkpoint_stem import (
     reading_checkpoint,
 )
 from .modeling_stem import check_token_ids
+from .system import available_memory, check_disk_room
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
-# The mapped store's file, beside the checkpoint's weights, and the one tensor in it: `[vocab, stem_layers, d_ff]`.
-STORE_NAME = "stem-offload-store.safetensors"
+# The one tensor in the mapped store's file (`STORE_NAME`, beside the weights): `[vocab, stem_layers, d_ff]`.
 STORE_TENSOR = "rows"
 
 

@@ -152,7 +152,7 @@ def _tokenizer(args: argparse.Namespace, vocab_size: int, text: str | None):
 def run(args: argparse.Namespace) -> dict:
     """Runs `stem-hf demo` or `stem-hf convert` as parsed."""
     if args.command == "demo":
-        from .demo import run_demo
+        from ..demo import run_demo
 
         return run_demo(args.out, args.source, args.calibration_tokens, args.heal_tokens, args.heal_precision)
     return run_convert(args)

@@ -13,16 +13,9 @@ import torch
 from torch import nn
 
 from .. import StemConfig, StemForCausalLM
-from ..accounting import (
-    available_memory,
-    check_disk_room,
-    format_bytes,
-    num_active_parameters,
-    num_table_parameters,
-    summarize,
-    table_bytes,
-)
+from ..accounting import num_active_parameters, num_table_parameters, summarize, table_bytes
 from ..offload import write_offload_store
+from ..system import available_memory, check_disk_room, format_bytes
 from .heal import heal
 from .init_tables import init_tables
 from .plan import ConversionPlan
