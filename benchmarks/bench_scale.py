@@ -245,7 +245,7 @@ def step_gather(checkpoint: str, tokens: int, read_bytes: int, repeats: int = 3)
     one token's rows at random offsets, 16 in flight (preads into the same buffer). Each cold run draws fresh tokens
     after dropping the page cache; the cold store runs and the random reads take turns, `repeats` times, and report
     their median (every run is kept too: the disk's rate moves from run to run)."""
-    from stem_hf.checkpoint_stem import map_safetensors
+    from stem_hf.mapped import map_safetensors
     from stem_hf.offload import STORE_NAME, StemMappedTables
 
     torch.set_num_threads(os.cpu_count())

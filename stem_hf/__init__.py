@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_stem import STEM_RATIOS, StemConfig, resolve_stem_layers
 from .hub import push_model
-from .model_card import write_model_card
+from .model_card import card_after_save, write_model_card
 from .modeling_stem import StemForCausalLM, StemModel, StemPreTrainedModel
 
 __version__ = "0.1.0"
@@ -21,7 +21,7 @@ AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
 StemConfig.register_for_auto_class()
 StemModel.register_for_auto_class("AutoModel")
 StemForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-StemPreTrainedModel._model_card_writer = staticmethod(write_model_card)
+StemPreTrainedModel._model_card_writer = staticmethod(card_after_save)
 StemPreTrainedModel._hub_pusher = staticmethod(push_model)
 
 __all__ = [

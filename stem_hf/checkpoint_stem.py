@@ -11,14 +11,11 @@ import dataclasses
 import importlib
 import json
 import math
-import mmap
 import os
-import platform
 import re
 import secrets
 import shutil
 import struct
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -323,7 +320,7 @@ def check_checkpoint_files(folder: str, config: StemConfig, variant: str | None 
         _missing_index(folder, index_name, variant)
         return None
     config_id = _config_save_id(folder)
-    if config_id is not None and config_id not in _folder_save_ids(folder):
+    if config_id is not None and config_id not in folder_save_ids(folder):
         raise ValueError(
             f"incomplete save: {os.path.join(folder, CONFIG_NAME)} belongs to another save (stem_save_id {config_id}) "
             f"than any index in {folder}: a save into it was interrupted between its renames, or the config was copied "
@@ -389,7 +386,7 @@ def read_save_id(folder: str | os.PathLike, variant: str | None = None) -> str |
     return (read_index(path).get("metadata") or {}).get(SAVE_ID_KEY)
 
 
-def _folder_save_ids(folder: str | os.PathLike) -> set[str | None]:
+def folder_save_ids(folder: str | os.PathLike) -> set[str | None]:
     """The save id of every safetensors index in `folder`, the default one and each variant's."""
     ids = set()
     for entry in os.listdir(folder) if os.path.isdir(folder) else ():
@@ -400,31 +397,6 @@ def _folder_save_ids(folder: str | os.PathLike) -> set[str | None]:
             except (OSError, ValueError):  # a broken index is the load's to report
                 continue
     return ids
-
-
-def provenance_matches(record: dict, folder: str | os.PathLike) -> bool:
-    """Whether a provenance record (a conversion report, evaluation results) describes weights in `folder`: its
-    `stem_save_id` is that of an index there. A record without one is tied to no save (written by hand, or before save
-    ids existed) and is taken as it is."""
-    save_id = record.get(SAVE_ID_KEY) if isinstance(record, dict) else None
-    return save_id is None or save_id in _folder_save_ids(folder)
-
-
-def stale_provenance(folder: str | os.PathLike, names: tuple[str, ...] | list[str]) -> list[str]:
-    """Those of the JSON files `names` in `folder` that record the save id of weights no longer there."""
-    stale = []
-    for name in names:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError):  # unreadable: the model card says so
-            continue
-        if not provenance_matches(record, folder):
-            stale.append(name)
-    return stale
 
 
 def stamp_safetensors(path: str, metadata: dict[str, str]) -> None:
@@ -460,11 +432,10 @@ def stamp_safetensors(path: str, metadata: dict[str, str]) -> None:
 
 
 # safetensors' names of the dtypes tables and offload stores are written in.
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
 }  # fmt: skip
-_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 # Rows copied per write: what a save of a table larger than memory holds at a time.
 WRITE_BLOCK_BYTES = 64 << 20
 # The largest table file a save writes, whatever `max_shard_size` says: safetensors' loader maps each file
@@ -487,13 +458,13 @@ class StemSafetensorsWriter:
     (tables, offload stores), which is what makes safetensors' own order the name order."""
 
     def __init__(self, path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, metadata: dict[str, str]):
-        if dtype not in _SAFETENSORS_DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: no safetensors name for dtype {dtype}")
         entries, size = {}, 0
         for name in sorted(shapes):
             nbytes = math.prod(shapes[name]) * dtype.itemsize
             entries[name] = {
-                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "dtype": SAFETENSORS_DTYPES[dtype],
                 "shape": list(shapes[name]),
                 "data_offsets": [size, size + nbytes],
             }
@@ -541,44 +512,6 @@ class StemSafetensorsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# Python's mmap module names MAP_NORESERVE only from 3.13 on; Linux's value, which a few architectures change.
-_LINUX_MAP_NORESERVE = {"ppc": 0x40, "ppc64": 0x40, "ppc64le": 0x40, "sparc": 0x40, "sparc64": 0x40}.get(
-    platform.machine(), 0x400 if platform.machine().startswith("mips") else 0x4000
-)
-
-
-def _private_map(fileno: int) -> mmap.mmap:
-    """A copy-on-write map of a whole file. Linux charges a writable private map against memory when it is made and
-    refuses one larger than RAM unless told not to reserve (`MAP_NORESERVE`): pages are copied only when written."""
-    if os.name == "nt":
-        return mmap.mmap(fileno, 0, access=mmap.ACCESS_COPY)
-    noreserve = getattr(mmap, "MAP_NORESERVE", _LINUX_MAP_NORESERVE if sys.platform.startswith("linux") else 0)
-    return mmap.mmap(fileno, 0, flags=mmap.MAP_PRIVATE | noreserve, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-def map_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a copy-on-write memory map of it (after `read_safetensors_header`'s
-    checks): pages are read in as they are used, and a write to a tensor copies the pages it touches instead of
-    altering the file."""
-    header, _ = _read_header(path)
-    with open(path, "rb") as f:
-        (header_size,) = struct.unpack("<Q", f.read(8))
-        data = header_size + 8
-        buffer = _private_map(f.fileno()) if os.path.getsize(path) > data else None
-    tensors = {}
-    for name, entry in header.items():
-        dtype = _TORCH_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name} is {entry['dtype']}, which this reader does not map")
-        begin, end = entry["data_offsets"]
-        if end == begin:
-            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
-            continue
-        flat = torch.frombuffer(buffer, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=data + begin)
-        tensors[name] = flat.view(entry["shape"])
-    return tensors
 
 
 def table_shards(
@@ -1107,20 +1040,13 @@ def save_checkpoint(
     hidden folder (beside a new `save_directory`, inside an existing one) and committed by renames, so an interrupted
     save never leaves half-written files in place of a good checkpoint; every weight file and the index, written last,
     carry one fresh save id, so that a save killed between its renames is refused at load rather than loaded as a mix
-    of two saves. With `variant` ("fp16"), files are named as transformers names a variant's. Provenance files already
-    in `save_directory` that record an earlier save's id are kept, named in a warning, and left out of the model card.
-    Returns the save id."""
+    of two saves. With `variant` ("fp16"), files are named as transformers names a variant's. Last, the package's card
+    hook (`write_card`) names provenance files of an earlier save and writes the card. Returns the save id."""
     variant = kwargs.get("variant") or None
     check_variant(variant)
     hub_kwargs = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private") if k in kwargs}
     with staged_folder(save_directory, variant) as staging:
         save_id = write_checkpoint(model, staging, save_dense, state_dict, max_shard_size, **kwargs)
-    stale = stale_provenance(save_directory, PROVENANCE_FILES)
-    if stale:
-        logger.warning(
-            f"{save_directory}: {', '.join(stale)} describe the weights of an earlier save, not these; they are "
-            "kept but left out of the model card. Re-run the conversion or evaluation, or remove them."
-        )
     write_card(model, save_directory)
     if push_to_hub:
         repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.abspath(save_directory)))
@@ -1163,18 +1089,17 @@ __all__ = [
     "finish_checkpoint",
     "finish_load",
     "load_checkpoint",
-    "map_safetensors",
     "prepare_load",
-    "provenance_matches",
     "read_safetensors_header",
     "read_safetensors_metadata",
     "read_index",
+    "SAFETENSORS_DTYPES",
+    "folder_save_ids",
     "read_save_id",
     "saved_table_dtype",
     "reading_checkpoint",
     "save_checkpoint",
     "save_tables",
-    "stale_provenance",
     "staged_folder",
     "stamp_safetensors",
     "table_metadata",

@@ -275,7 +275,7 @@ def _converted_from(checkpoint: str) -> str | None:
     path = os.path.join(checkpoint, REPORT_FILE)
     if not os.path.isfile(path):
         return None
-    from .checkpoint_stem import provenance_matches
+    from .model_card import provenance_matches
 
     try:
         with open(path) as f:

@@ -20,10 +20,9 @@ from .checkpoint_stem import (
     check_checkpoint_files,
     read_save_id,
     reading_checkpoint,
-    stale_provenance,
     write_card,
 )
-from .model_card import CARD_FILE, MARKER, write_model_card
+from .model_card import CARD_FILE, MARKER, stale_provenance, write_model_card
 
 logger = logging.get_logger(__name__)
 

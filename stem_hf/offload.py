@@ -43,12 +43,12 @@ from .checkpoint_stem import (
     advise_random_access,
     block_rows,
     check_checkpoint_files,
-    map_safetensors,
     read_index,
     read_safetensors_header,
     read_safetensors_metadata,
     reading_checkpoint,
 )
+from .mapped import map_safetensors
 from .modeling_stem import check_token_ids
 from .system import available_memory, check_disk_room
 

@@ -12,10 +12,10 @@ from .checkpoint_stem import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     check_checkpoint_files,
-    map_safetensors,
     read_index,
     reading_checkpoint,
 )
+from .mapped import map_safetensors
 
 # Rows read at a time: a table's scan never holds more than this many bytes of it in a temporary.
 SCAN_BYTES = 64 * 2**20

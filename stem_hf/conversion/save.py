@@ -14,13 +14,13 @@ from .. import StemForCausalLM, write_model_card
 from ..checkpoint_stem import (
     TABLE_KEY,
     StemSafetensorsWriter,
-    map_safetensors,
     read_save_id,
     staged_folder,
     table_metadata,
     table_shards,
     write_checkpoint,
 )
+from ..mapped import map_safetensors
 from .report import ConversionReport, write_report
 
 __all__ = ["StemTableStream", "save_conversion"]
