@@ -27,7 +27,7 @@ test-fast: $(STAMP)
 # The tests of the code that ships next to the weights, under another transformers: a venv that sees .venv's packages
 # and shadows transformers alone.
 MODEL_TESTS := tests/test_modeling.py tests/test_compat.py tests/test_remote_code.py tests/test_refresh.py \
-	tests/test_llama_parity.py tests/test_placement.py tests/test_storage.py tests/test_peft.py tests/test_compile.py
+	tests/test_llama_parity.py tests/test_placement.py tests/test_checkpoint.py tests/test_peft.py tests/test_compile.py
 define shadow_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(PY) -c "import site; print(site.getsitepackages()[0])" > \

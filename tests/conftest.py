@@ -2,6 +2,16 @@ import os
 
 import pytest
 import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from stem_hf import StemConfig, StemForCausalLM
 
@@ -79,6 +89,114 @@ def position_weighted(t: torch.Tensor) -> list[float]:
     """A checksum that a swapped row or a misplaced shard changes, not only a changed value; and its scale."""
     weighted = t.double().flatten() * torch.arange(1, t.numel() + 1)
     return [weighted.sum().item(), weighted.abs().sum().item()]
+
+
+def _mapped_files(tensor: torch.Tensor) -> list[str]:
+    """The files whose mapping in this process holds the tensor's first byte."""
+    address, files = tensor.data_ptr(), []
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end and len(fields) >= 6:
+                files.append(fields[5])
+    return files
+
+
+def _dataset(n: int = 16, length: int = 12, seed: int = 0, ragged: bool = False):
+    """Token rows where the next token is mostly predictable (a repeating pattern with a random start)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        start = int(torch.randint(3, 40, (1,), generator=g))
+        ids = [(start + 5 * k) % 90 + 3 for k in range(length)]
+        labels = list(ids)
+        if ragged:  # different numbers of label tokens per row: accumulation must weigh tokens, not rows
+            labels[: 1 + i % 7] = [-100] * (1 + i % 7)
+        rows.append({"input_ids": ids, "labels": labels})
+    return Dataset.from_list(rows)
+
+
+# Dense sources for conversion: tiny models of transformers' own classes, token ids and a word tokenizer over SHAPE's
+# vocabulary, and a converted pair.
+
+SHAPE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SOURCES = {
+    "llama": lambda tied: LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tied, attention_bias=True)),
+    "mistral": lambda tied: MistralForCausalLM(MistralConfig(**SHAPE, tie_word_embeddings=tied, sliding_window=None)),
+    "qwen2": lambda tied: Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=tied)),
+    "qwen3": lambda tied: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=8, tie_word_embeddings=tied)),
+}
+
+
+def _dense(kind: str, tied: bool = False):
+    torch.manual_seed(0)
+    model = SOURCES[kind](tied).eval()
+    with torch.no_grad():  # nonzero biases and norms, so that dropping one would show
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+def _texts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, SHAPE["vocab_size"], (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(SHAPE["vocab_size"] - 4)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def _cli_source(tmp_path) -> None:
+    """A tiny Llama folder with a word tokenizer in `tmp_path/src`; 400 words each of calibration and held-out text."""
+    _dense("llama").save_pretrained(tmp_path / "src")
+    _word_tokenizer().save_pretrained(tmp_path / "src")
+    for name, seed in (("calib.txt", 1), ("held.txt", 2)):
+        ids = torch.randint(0, 60, (400,), generator=torch.Generator().manual_seed(seed))
+        (tmp_path / name).write_text(" ".join(f"w{i}" for i in ids.tolist()))
+
+
+def _opinionated(kind: str, tied: bool = False):
+    dense = _dense(kind, tied)
+    with torch.no_grad():  # a random model at the default init predicts nearly uniformly: give it opinions
+        for name, param in dense.named_parameters():
+            if name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")):
+                param.normal_(0.0, 0.3)
+    return dense
+
+
+def _converted(layers=(1, 2), init="fitted", tied=False):
+    from stem_hf.conversion import convert
+
+    dense = _opinionated("llama", tied)
+    stem, _ = convert(
+        dense,
+        stem_layers=list(layers),
+        init=init,
+        calibration=_texts(6, 120, seed=1),
+        chunk_len=60,
+        table_dtype="float32",
+    )
+    return dense, stem
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,7 @@ import torch
 from transformers import TrainingArguments
 
 from stem_hf.training import StemTrainer
-from tests.conftest import position_weighted, tiny_model
-from tests.test_training import _dataset
+from tests.conftest import _dataset, position_weighted, tiny_model
 
 out, per_device, optimizer = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)

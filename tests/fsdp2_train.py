@@ -13,8 +13,7 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainingArguments
 
 from stem_hf.training import RowSparseAdamW, StemTrainer
-from tests.conftest import position_weighted, tiny_model
-from tests.test_training import _dataset
+from tests.conftest import _dataset, position_weighted, tiny_model
 
 out = sys.argv[1]
 distributed = "RANK" in os.environ

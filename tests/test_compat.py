@@ -20,8 +20,7 @@ from transformers import DynamicCache, Trainer, TrainingArguments
 from stem_hf import StemForCausalLM
 from stem_hf.compat_stem import CACHE_ARG, SUPPORTED_TRANSFORMERS, check_transformers_version, supports_transformers
 from stem_hf.remote_check import greedy_without_cache
-from tests.conftest import tiny_model
-from tests.test_training import _dataset
+from tests.conftest import _dataset, tiny_model
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "saved-5.23")
 REFERENCE = load_file(os.path.join(DATA, "reference.safetensors"))

@@ -16,7 +16,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from stem_hf import modeling_stem
-from tests.conftest import TINY, sensitive_model
+from tests.conftest import TINY, sensitive_model, tiny_model
 
 
 def _ids(seed: int = 0, shape=(2, 12)) -> torch.Tensor:
@@ -287,3 +287,19 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         assert row["predicted_speedup"] > 1 and row["adamw"]["ms"] > 0 and row["row_sparse_adamw"]["ms"] > 0
     for batch in ("batch_1", "batch_2"):
         assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True
+
+
+# An out-of-range id under torch.compile (issue 23; issue 36 changed what a compiled forward does)
+
+
+def test_an_out_of_range_id_under_torch_compile_fails_and_generate_names_it():
+    # Issue 36: a compiled forward does not check ids (a host sync, and a graph break under fullgraph=True); the lookup
+    # fails as Llama's does. generate checks its prompt before any compiled step.
+    model = tiny_model()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises((IndexError, RuntimeError), match="index out of range"):
+        compiled(torch.tensor([[1, 500]]))
+    with pytest.raises(ValueError, match=r"input_ids holds token id 500, outside \[0, 96\)"):
+        model.generate(torch.tensor([[1, 500]]), max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"input_ids holds token id 500, outside \[0, 96\)"):
+        model(torch.tensor([[1, 500]]))  # an eager forward still checks

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from stem_hf import StemConfig, resolve_stem_layers
-from tests.conftest import tiny_config
+from tests.conftest import TINY, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize(
@@ -97,3 +97,54 @@ def test_stem_layers_and_table_dtype_set_on_a_built_config_are_resolved_and_chec
     config.num_hidden_layers = 3  # after the layers: the model refuses rather than build a table for no layer
     with pytest.raises(ValueError, match=r"stem_layers \[1, 2, 3\]: no such layer in 3 layers"):
         StemModel(config)
+
+
+# Config values that would build a broken model are refused, naming the field (issues 23 and 35).
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"stem_layers": 3}, r"stem_layers: 3 is neither a list nor a string.*write \[3\]"),
+        ({"vocab_size": 0}, "vocab_size: 0 must be a positive integer"),
+        ({"vocab_size": "96"}, "vocab_size: '96' must be a positive integer"),
+        ({"intermediate_size": -64}, "intermediate_size: -64 must be a positive integer"),
+        ({"intermediate_size": 64.0}, "intermediate_size: 64.0 must be a positive integer"),
+        ({"pad_token_id": 96}, r"pad_token_id: 96 is neither a token id in the vocabulary \[0, 96\)"),
+        ({"pad_token_id": -97}, "pad_token_id: -97 is neither a token id"),
+        # issue 35: sizes and numbers that built a model giving NaN, or failed deep in torch
+        ({"num_key_value_heads": 0}, "num_key_value_heads: 0 must be a positive integer"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+        ({"head_dim": 0}, "head_dim: 0 must be a positive integer"),
+        ({"max_position_embeddings": -3}, "max_position_embeddings: -3 must be a positive integer"),
+        ({"vocab_size": 10**20}, r"vocab_size: 100000000000000000000 is larger than the largest size .*2147483647"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps: nan must be a positive finite number"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps: 0.0 must be a positive finite number"),
+        ({"initializer_range": float("inf")}, r"initializer_range: inf must be a finite number >= 0"),
+        ({"attention_dropout": 1.5}, r"attention_dropout: 1.5 must be a probability in \[0, 1\)"),
+        ({"hidden_act": "swish2"}, "hidden_act: 'swish2' is not an activation transformers knows"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, r"rope_theta'\]: -1.0 must be a positive"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": float("nan")}},
+            r"rope_parameters\['factor'\]: nan must be a positive finite number",
+        ),
+    ],
+)
+def test_bad_config_values_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+def test_negative_pad_ids_index_from_the_end_as_torch_takes_them():
+    assert tiny_config(pad_token_id=-1).pad_token_id == -1
+    assert tiny_model(pad_token_id=-1).model.embed_tokens.padding_idx == 95
+
+
+def test_stem_config_keeps_llama_fields_valid_for_dense_sources():
+    from transformers import LlamaConfig
+
+    from stem_hf.conversion.sources import stem_config_from_dense
+
+    dense = LlamaConfig(**{**TINY, "pad_token_id": -1})
+    assert stem_config_from_dense(dense, "1/2").pad_token_id is None  # "-1: no pad token" in some Llama configs
+    assert isinstance(StemConfig(**TINY), StemConfig)

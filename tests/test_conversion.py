@@ -10,48 +10,13 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
-    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from stem_hf import StemForCausalLM
 from stem_hf.conversion import convert, stem_config_from_dense
-
-SHAPE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-SOURCES = {
-    "llama": lambda tied: LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tied, attention_bias=True)),
-    "mistral": lambda tied: MistralForCausalLM(MistralConfig(**SHAPE, tie_word_embeddings=tied, sliding_window=None)),
-    "qwen2": lambda tied: Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=tied)),
-    "qwen3": lambda tied: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=8, tie_word_embeddings=tied)),
-}
-
-
-def _dense(kind: str, tied: bool = False):
-    torch.manual_seed(0)
-    model = SOURCES[kind](tied).eval()
-    with torch.no_grad():  # nonzero biases and norms, so that dropping one would show
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.normal_(1.0 if "norm" in name else 0.0, 0.1)
-    return model
-
-
-def _texts(n: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, SHAPE["vocab_size"], (length,), generator=g).tolist() for _ in range(n)]
+from tests.conftest import SHAPE, SOURCES, _cli_source, _dense, _texts, _word_tokenizer
 
 
 @pytest.mark.parametrize("kind", list(SOURCES))
@@ -183,25 +148,6 @@ def test_report_and_saved_checkpoint(tmp_path):
     probe = torch.tensor([[1, 7, 8, 9]])
     with torch.no_grad():
         assert torch.allclose(reloaded(probe).logits, stem(probe).logits)
-
-
-def _word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(SHAPE["vocab_size"] - 4)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-
-
-def _cli_source(tmp_path) -> None:
-    """A tiny Llama folder with a word tokenizer in `tmp_path/src`; 400 words each of calibration and held-out text."""
-    _dense("llama").save_pretrained(tmp_path / "src")
-    _word_tokenizer().save_pretrained(tmp_path / "src")
-    for name, seed in (("calib.txt", 1), ("held.txt", 2)):
-        ids = torch.randint(0, 60, (400,), generator=torch.Generator().manual_seed(seed))
-        (tmp_path / name).write_text(" ".join(f"w{i}" for i in ids.tolist()))
 
 
 def test_cli_converts_a_folder_with_text_files_and_carries_the_tokenizer(tmp_path, capsys):

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import tiny_model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_train.py")
 FSDP = [
@@ -83,3 +85,65 @@ def test_accelerate_fsdp_two_processes_shard_the_tables_and_match_one_process(si
     assert fsdp["world_size"] == 2 and "FSDP" in fsdp["distributed_type"]
     assert "model.stem_tables.1.weight" in fsdp["sums"]
     _same(fsdp, single["plain"])
+
+
+# Tensor parallelism: the plan, and tp_plan="auto" over two gloo processes (issue 23)
+
+
+def _plan_matches(plan: dict, names: set[str]) -> dict:
+    import re
+
+    generic = {re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), n) for n in names}
+    return {key: key in generic for key in plan}
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_the_tensor_parallel_plan_names_real_modules_and_covers_every_matrix_of_the_layers(qk_norm):
+    model = tiny_model(qk_norm=qk_norm)
+    plan = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()} | model._tp_plan
+    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    assert all(_plan_matches(plan, names).values()), _plan_matches(plan, names)
+    covered = {key.removesuffix(".weight") for key in plan}
+    for name, param in model.named_parameters():
+        if param.ndim == 2 and name != "model.embed_tokens.weight":
+            generic = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            assert generic.removesuffix(".weight") in covered, name
+    assert plan["model.stem_tables.*.weight"] == "embedding_colwise"  # [vocab, d_ff] split along d_ff, like up_proj
+    assert set(model.config.base_model_pp_plan) == {"embed_tokens", "layers", "norm"}
+    assert json.loads(model.config.to_json_string()).get("base_model_tp_plan") is None  # a class setting, not saved
+
+
+TP_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from stem_hf import StemForCausalLM
+model = StemForCausalLM.from_pretrained(sys.argv[1], tp_plan="auto")
+ids = torch.tensor([[1, 5, 6, 7, 9, 11]])
+with torch.no_grad():
+    logits = model(ids).logits
+weight = model.model.stem_tables["1"].weight
+model.train()
+model(ids, labels=ids).loss.backward()
+if dist.get_rank() == 0:
+    torch.save({"logits": logits, "local": tuple(weight.to_local().shape), "placements": str(weight.placements),
+                "grad": weight.grad is not None}, sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_tp_plan_auto_shards_the_tables_along_intermediate_size_and_matches_one_process(tmp_path):
+    model = tiny_model(table_dtype="float32")
+    model.save_pretrained(tmp_path / "ck")
+    with torch.no_grad():
+        reference = model(torch.tensor([[1, 5, 6, 7, 9, 11]])).logits
+    script = tmp_path / "tp.py"
+    script.write_text(TP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+    run = subprocess.run(
+        [*command, str(tmp_path / "ck"), str(tmp_path / "out.pt")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "were not sharded" not in run.stderr and "match nothing" not in run.stderr
+    out = torch.load(tmp_path / "out.pt")
+    assert out["local"] == (96, 32) and "Shard(dim=1)" in out["placements"] and out["grad"]
+    assert torch.allclose(out["logits"], reference, atol=1e-5)

@@ -9,8 +9,7 @@ import torch
 from stem_hf import StemForCausalLM
 from stem_hf.cli import main
 from stem_hf.editing import StemEdit, StemEditor, edited, edited_ids, find_occurrences, persist_edit, persisted
-from tests.conftest import byte_tokenizer, sensitive_model, tiny_model
-from tests.test_storage import _mapped_files
+from tests.conftest import _mapped_files, byte_tokenizer, sensitive_model, tiny_model
 
 IDS = torch.tensor([[5, 6, 7, 8, 5, 6, 9], [1, 5, 6, 3, 3, 3, 3]])
 
@@ -322,3 +321,29 @@ def test_a_mean_edit_into_an_int8_copy_of_freed_tables_is_close_to_the_exact_one
         after = model(IDS).logits
     assert not torch.allclose(after, before, atol=0.05)
     torch.testing.assert_close(after, expected, rtol=0, atol=0.01 * expected.abs().max().item())
+
+
+# Text edits that would write the wrong rows are refused (issue 23)
+
+
+class WordTokenizer:
+    """The parts of a word-level tokenizer with an unknown token that `StemEdit.from_text` uses."""
+
+    unk_token, unk_token_id = "[UNK]", 3
+    words = {" France": 10, " Germany": 11, " Paris": 12}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.words.get(" " + w, self.unk_token_id) for w in text.split()]}
+
+
+def test_an_edit_of_an_unknown_word_or_of_one_token_twice_is_refused():
+    with pytest.raises(ValueError, match=r"' Atlantis' holds a word the tokenizer maps to its unknown token '\[UNK\]'"):
+        StemEdit.from_text(WordTokenizer(), " Atlantis", " Germany")
+    with pytest.raises(ValueError, match="target ' Xanadu' holds a word"):
+        StemEdit.from_text(WordTokenizer(), " France", " Xanadu")
+    model = tiny_model()
+    before = model.model.stem_tables["1"].weight.clone()
+    with pytest.raises(ValueError, match=r"source token 10 occurs twice in \[10, 10\].*rows of both 11 and 12"):
+        persist_edit(model, StemEdit((10, 10), (11, 12)))
+    assert torch.equal(model.model.stem_tables["1"].weight, before)  # refused before any write
+    persist_edit(model, StemEdit((10, 10), (11, 12), "mean"))  # one row for both: no conflict

@@ -12,8 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from stem_hf.cli import main
 from stem_hf.evaluation import RESULTS_FILE, TASKS_DIR, evaluate, headline_metrics, load_for_eval
-from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
-from tests.test_storage import _mapped_files
+from tests.conftest import BYTE_VOCAB, _mapped_files, byte_tokenizer, tiny_model
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 EXPECTED = {  # task -> a metric key lm-eval reports for it

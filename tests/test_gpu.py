@@ -6,7 +6,6 @@ GPU. Every test skips without a CUDA device (CI has none): `bash benchmarks/gpu_
 import copy
 import gc
 import math
-import os
 import threading
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from stem_hf import StemForCausalLM
 from stem_hf.offload import StemOffloadEngine, offloaded
-from tests.conftest import sensitive_model, tiny_model
+from tests.conftest import _converted, _mapped_files, _opinionated, _texts, sensitive_model, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none visible")
 
@@ -49,18 +48,6 @@ def _assert_same_greedy(got: torch.Tensor, reference) -> None:
         assert step >= 0, "the prompt changed"
         top = reference.scores[step][row].float().topk(2).values
         assert top[0] - top[1] < 1e-3 * top.abs().max().clamp(min=1), f"row {row} parts at step {step} with no tie"
-
-
-def _mapped_files(tensor: torch.Tensor) -> list[str]:
-    """The files whose mapping in this process holds the tensor's first byte."""
-    address, files = tensor.data_ptr(), []
-    with open(f"/proc/{os.getpid()}/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if start <= address < end and len(fields) >= 6:
-                files.append(fields[5])
-    return files
 
 
 def _allocated() -> int:
@@ -349,9 +336,6 @@ def test_a_cuda_device_map_load_serves_freed_tables_from_the_store(tmp_path):
 
 
 def _heal_fixture():
-    from test_conversion import _texts  # the tests folder is on sys.path, as for test_heal.py
-    from test_heal import _converted
-
     dense, stem = _converted(init="xavier")
     chunks = [torch.tensor([1, *t[:59]]) for t in _texts(8, 120, seed=7)]
     return dense, stem, chunks
@@ -408,9 +392,6 @@ def test_fp32_healing_on_cuda_starts_where_cpu_healing_does():
 
 
 def test_convert_heals_on_cuda_with_auto_precision_and_saves_a_model_that_loads(tmp_path):
-    from test_conversion import _texts
-    from test_heal import _opinionated
-
     from stem_hf.conversion import convert
     from stem_hf.conversion.heal import resolve_precision
 

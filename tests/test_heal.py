@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from test_conversion import SHAPE, _dense, _texts
 from torch.nn.utils import parametrize
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -12,28 +11,7 @@ from stem_hf.conversion import convert
 from stem_hf.conversion.blend import BlendedStem, StemBlendMLP
 from stem_hf.conversion.heal import distillation_loss, heal
 from stem_hf.modeling_stem import StemTableMLP
-
-
-def _opinionated(kind: str, tied: bool = False):
-    dense = _dense(kind, tied)
-    with torch.no_grad():  # a random model at the default init predicts nearly uniformly: give it opinions
-        for name, param in dense.named_parameters():
-            if name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")):
-                param.normal_(0.0, 0.3)
-    return dense
-
-
-def _converted(layers=(1, 2), init="fitted", tied=False):
-    dense = _opinionated("llama", tied)
-    stem, _ = convert(
-        dense,
-        stem_layers=list(layers),
-        init=init,
-        calibration=_texts(6, 120, seed=1),
-        chunk_len=60,
-        table_dtype="float32",
-    )
-    return dense, stem
+from tests.conftest import SHAPE, _converted, _opinionated, _texts
 
 
 def _kl(dense, stem, chunks) -> float:

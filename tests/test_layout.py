@@ -1,6 +1,7 @@
 """The house rules that keep the project easy to carry on, checked on the source: no import circle and no import up to a
 command line; remote code that imports only what transformers' own model files import; short functions; a pretrained
-class that is flags and thin delegates."""
+class that is flags and thin delegates; test files that share helpers through tests/conftest.py, never by importing one
+another."""
 
 import ast
 import re
@@ -72,6 +73,17 @@ def test_the_library_never_imports_a_command_line():
     assert not {c: GRAPH[c] & clis for c in clis if c != "stem_hf.cli" and GRAPH[c] & clis}
 
 
+def test_only_the_lab_and_the_command_line_import_the_lab():
+    # stem_hf.lab is research code (the knowledge lab, the paper's claims): the model, checkpoint, training and
+    # conversion code never lean on it.
+    def in_lab(name: str) -> bool:
+        return name == "stem_hf.lab" or name.startswith("stem_hf.lab.")
+
+    outside = {name for name in MODULES if not in_lab(name) and name != "stem_hf.cli"}
+    importers = {name: sorted(filter(in_lab, GRAPH[name])) for name in outside if any(map(in_lab, GRAPH[name]))}
+    assert not importers, importers
+
+
 def _model_file_imports() -> set[tuple[str, str]]:
     """(module, name) pairs that transformers' own model and config files import, as absolute module names."""
     pairs = set()
@@ -133,6 +145,43 @@ STDLIB = (
     "warnings",
 )
 
+# The transformers names remote code loads where it uses them (`checkpoint_stem._transformers_name`), none of which
+# transformers' own model files import: each is a dependency on transformers' internals that docs/model.md names.
+DYNAMIC_TRANSFORMERS_NAMES = {
+    ("transformers.utils.hub", "convert_file_size_to_int"),
+    ("transformers.integrations.accelerate", "_get_device_map"),
+    ("transformers.integrations.accelerate", "check_and_set_device_map"),
+}
+
+
+def _dynamic_names(file: str) -> set[tuple[str, str]]:
+    """(module, name) of every transformers name `file` loads by name, through importlib or `_transformers_name`."""
+    found, tree = set(), ast.parse((PACKAGE / file).read_text())
+    loader = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_transformers_name"]
+    inside_loader = {id(n) for f in loader for n in ast.walk(f)}  # the one place that imports a name it is given
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or id(node) in inside_loader:
+            continue
+        called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        if called in ("_transformers_name", "import_module", "__import__"):
+            args = [a.value if isinstance(a, ast.Constant) else None for a in node.args]
+            assert args and isinstance(args[0], str), f"{file}:{node.lineno}: a name loaded from a computed module"
+            if args[0].startswith("transformers"):
+                assert len(args) == 2 and isinstance(args[1], str), f"{file}:{node.lineno}: {called}({args})"
+                found.add((args[0], args[1]))
+    return found
+
+
+def test_remote_code_loads_by_name_only_the_declared_transformers_names_and_each_exists():
+    """The house rule on private transformers names sees the names loaded at run time too: a new one fails here until
+    it is declared above (and in docs/model.md), and a release that drops one fails `make check-newest`."""
+    import importlib
+
+    loaded = set().union(*(_dynamic_names(file) for file in REMOTE_CODE))
+    assert loaded == DYNAMIC_TRANSFORMERS_NAMES
+    for module, name in loaded:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone from this transformers"
+
 
 def _functions():
     for path in MODULES.values():
@@ -176,3 +225,20 @@ def test_a_missing_optional_dependency_names_its_extra(monkeypatch, module, extr
     monkeypatch.setitem(sys.modules, module, None)  # what an environment without it gives an import
     with pytest.raises(ImportError, match=rf"pip install 'stem-hf\[{extra}\]'"):
         require(module)
+
+
+def test_no_test_file_imports_another_test_file():
+    # Tests are filed by unit; what two files share lives in tests/conftest.py (tests/fake_hub.py for the loopback
+    # Hub), so that moving or deleting a test file never breaks another one.
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):  # also `from tests import test_x` and `from .test_x import y`
+                names = [node.module or ""] + [f"{node.module or ''}.{alias.name}".lstrip(".") for alias in node.names]
+            else:
+                continue
+            if any(re.fullmatch(r"(tests\.)?test_\w+(\..+)?", name) for name in names):
+                found.append(f"tests/{path.name}:{node.lineno}")
+    assert not found, f"imports of a test file (move the helper to tests/conftest.py): {found}"

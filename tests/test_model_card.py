@@ -12,10 +12,10 @@ from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.accounting import flops_per_token, num_active_parameters, num_table_parameters
 from stem_hf.conversion import convert
 from stem_hf.model_card import MARKER, render_model_card, write_model_card
-from tests import test_conversion
+from tests import conftest
 from tests.conftest import BYTE_VOCAB, byte_tokenizer, tiny_model
 
-SHAPE = {**test_conversion.SHAPE, "vocab_size": BYTE_VOCAB, "num_hidden_layers": 6, "max_position_embeddings": 256}
+SHAPE = {**conftest.SHAPE, "vocab_size": BYTE_VOCAB, "num_hidden_layers": 6, "max_position_embeddings": 256}
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun. " * 8
 
 

@@ -320,3 +320,52 @@ def test_a_row_source_serves_every_stem_layer_and_is_handed_back():
     assert not [n for n in model.state_dict() if "row_source" in n]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+# Bad input gets a clear error; the generate paths Llama passes keep each position on its own row (issue 23).
+
+
+IDS = torch.tensor([[1, 5, 6, 7, 9, 11, 13]])
+# Other rows than the text's own at most positions: a lookup shifted by one position changes the answer.
+EDITED = torch.tensor([[1, 60, 40, 70, 9, 50, 77]])
+
+
+def greedy(model, n: int = 6, **kwargs) -> torch.Tensor:
+    return model.generate(max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
+
+
+def test_empty_input_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"input_ids has shape \(1, 0\): no position to run"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(1, 0, 32\)"):
+        model(inputs_embeds=torch.zeros(1, 0, 32), stem_input_ids=torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_generate_refuses_stem_ids_that_do_not_cover_the_prompt():
+    model = tiny_model()
+    for wrong in (EDITED[:, :4], torch.cat([EDITED, EDITED[:, :2]], dim=1), EDITED.repeat(2, 1)):
+        with pytest.raises(ValueError, match="give one table id per prompt position"):
+            greedy(model, input_ids=IDS, stem_input_ids=wrong)
+
+
+def test_generate_takes_inputs_embeds_with_stem_ids_and_says_what_is_missing_without():
+    model = sensitive_model(std=3.0, table_dtype="float32")
+    embeds = model.get_input_embeddings()(IDS)
+    from_ids = greedy(model, input_ids=IDS, stem_input_ids=EDITED)
+    from_embeds = greedy(model, inputs_embeds=embeds, stem_input_ids=EDITED)
+    assert torch.equal(from_embeds, from_ids[:, IDS.shape[1] :])  # generate returns only new tokens for embeds
+    with pytest.raises(ValueError, match=r"generate\(inputs_embeds=...\).*pass `stem_input_ids`"):
+        greedy(model, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match="give the prompt as input_ids or as inputs_embeds, not both"):
+        greedy(model, input_ids=IDS, inputs_embeds=embeds, stem_input_ids=EDITED)
+
+
+def test_assisted_and_chunked_generation_keep_each_position_on_its_own_row():
+    model, assistant = sensitive_model(std=3.0, table_dtype="float32"), tiny_model()
+    plain = greedy(model, n=8, input_ids=IDS, stem_input_ids=EDITED)
+    assert not torch.equal(plain, greedy(model, n=8, input_ids=IDS))  # the edited rows matter
+    assisted = greedy(model, n=8, input_ids=IDS, stem_input_ids=EDITED, assistant_model=assistant)
+    chunked = greedy(model, n=8, input_ids=IDS, stem_input_ids=EDITED, prefill_chunk_size=3)
+    assert torch.equal(assisted, plain)
+    assert torch.equal(chunked, plain)

@@ -1,14 +1,15 @@
 """PEFT on STEM models: LoRA on attention and the dense FFN projections, table rows trained as deltas through
 `trainable_token_indices`; the adapter trains, saves, reloads and merges with identical outputs."""
 
+import copy
+
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import PeftModel, PromptTuningConfig, get_peft_model
 from safetensors import safe_open
 
 from stem_hf.training import lora_config
-from tests.conftest import tiny_model
-from tests.test_training import _dataset
+from tests.conftest import _dataset, sensitive_model, tiny_model
 
 ROWS = [5, 9, 40]
 
@@ -94,3 +95,36 @@ def test_an_adapter_loads_through_peft_and_through_transformers_load_adapter(tmp
     base.disable_adapters()
     with torch.no_grad():
         torch.testing.assert_close(base(input_ids=ids).logits, plain, rtol=0, atol=0)
+
+
+# PEFT prompt tuning: soft prompts get zero table rows (issue 23)
+
+
+IDS = torch.tensor([[1, 5, 6, 7, 9, 11, 13]])
+
+
+def test_peft_prompt_tuning_trains_and_generates_with_soft_prompts_on_zero_rows():
+    model = sensitive_model(std=3.0, table_dtype="float32")
+    peft_model = get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with pytest.raises(ValueError, match="with PEFT prompt tuning, pass the text's input ids as `stem_input_ids`"):
+        peft_model(input_ids=IDS, labels=IDS)
+    out = peft_model(input_ids=IDS, labels=IDS, stem_input_ids=IDS)
+    out.loss.backward()
+    prompt_grad = peft_model.prompt_encoder["default"].embedding.weight.grad
+    assert torch.isfinite(out.loss) and prompt_grad is not None and prompt_grad.abs().sum() > 0
+
+    # The same forward on a copy where token 95 (not in the text) has zero rows, looked up at the soft positions: an
+    # equal-length lookup that does not go through the soft-prompt path.
+    reference = copy.deepcopy(model)
+    for table in reference.model.stem_tables.values():
+        table.weight.data[95] = 0
+    soft = peft_model.get_prompt(batch_size=1).detach()
+    embeds = torch.cat([soft, model.get_input_embeddings()(IDS)], dim=1)
+    pad = torch.full((1, 3), 95)
+    with torch.no_grad():
+        by_hand = reference(inputs_embeds=embeds, stem_input_ids=torch.cat([pad, IDS], 1)).logits
+        at_the_end = reference(inputs_embeds=embeds, stem_input_ids=torch.cat([IDS, pad], 1)).logits
+    assert torch.allclose(out.logits.detach(), by_hand, atol=1e-5)
+    assert not torch.allclose(out.logits.detach(), at_the_end, atol=1e-3)  # zero rows at the wrong end would show
+    generated = peft_model.generate(input_ids=IDS, max_new_tokens=1, do_sample=False)
+    assert generated[0, -1] == by_hand[0, -1].argmax()

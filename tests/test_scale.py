@@ -14,15 +14,15 @@ import torch
 from safetensors.torch import save_file
 
 from stem_hf import StemForCausalLM
-from stem_hf.checkpoint_stem import StemSafetensorsWriter, map_safetensors, read_safetensors_header
+from stem_hf.checkpoint_stem import StemSafetensorsWriter, read_safetensors_header
 from stem_hf.cli import main
 from stem_hf.conversion import convert
 from stem_hf.conversion import init_tables as init_tables_module
 from stem_hf.conversion.plan import ConversionPlan
 from stem_hf.conversion.save import StemTableStream
+from stem_hf.mapped import map_safetensors
 from stem_hf.offload import STORE_NAME, StemHostTables, StemMappedTables, StemOffloadEngine, write_offload_store
-from tests.conftest import sensitive_model
-from tests.test_conversion import _cli_source
+from tests.conftest import _cli_source, sensitive_model
 
 CALIBRATION = [" ".join(f"w{i}" for i in range(5, 60))] * 3
 HELDOUT = [" ".join(f"w{i}" for i in range(60, 3, -1))]
@@ -324,32 +324,32 @@ def test_the_scale_benchmark_runs_every_step_quickly(tmp_path):
 
 
 def test_available_memory_heeds_a_container_limit(tmp_path, monkeypatch):
-    from stem_hf import accounting
+    from stem_hf import system
 
     def write(folder, **files):
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
             (folder / name.replace("_", ".", 1)).write_text(text)
 
-    monkeypatch.setattr(accounting, "_cgroup_paths", lambda: {"": "/job/task"})
-    assert accounting._cgroup_room(str(tmp_path)) is None  # no limit files
+    monkeypatch.setattr(system, "_cgroup_paths", lambda: {"": "/job/task"})
+    assert system._cgroup_room(str(tmp_path)) is None  # no limit files
     write(tmp_path / "job" / "task", memory_max="max\n", memory_current="600\n", memory_stat="inactive_file 150\n")
-    assert accounting._cgroup_room(str(tmp_path)) is None  # v2 without a limit
+    assert system._cgroup_room(str(tmp_path)) is None  # v2 without a limit
     write(tmp_path / "job", memory_max="5000\n", memory_current="4000\n", memory_stat="inactive_file 100\n")
-    assert accounting._cgroup_room(str(tmp_path)) == 5000 - 4000 + 100  # the job's limit binds its task
+    assert system._cgroup_room(str(tmp_path)) == 5000 - 4000 + 100  # the job's limit binds its task
     write(tmp_path / "job" / "task", memory_max="1000\n")
-    assert accounting._cgroup_room(str(tmp_path)) == 1000 - 600 + 150  # droppable page cache counts as room
-    monkeypatch.setattr(accounting, "_cgroup_paths", lambda: {"memory": "/slurm/job"})  # v1
+    assert system._cgroup_room(str(tmp_path)) == 1000 - 600 + 150  # droppable page cache counts as room
+    monkeypatch.setattr(system, "_cgroup_paths", lambda: {"memory": "/slurm/job"})  # v1
     limit = "memory_limit_in_bytes"
     write(tmp_path / "memory" / "slurm" / "job", **{limit: "9223372036854771712\n"}, memory_usage_in_bytes="600\n",
           memory_stat="hierarchical_memory_limit 9223372036854771712\ntotal_inactive_file 50\n")  # fmt: skip
-    assert accounting._cgroup_room(str(tmp_path)) is None  # v1's "no limit"
+    assert system._cgroup_room(str(tmp_path)) is None  # v1's "no limit"
     (tmp_path / "memory" / "slurm" / "job" / "memory.stat").write_text(
         "hierarchical_memory_limit 2000\ntotal_inactive_file 50\n"
     )
-    assert accounting._cgroup_room(str(tmp_path)) == 2000 - 600 + 50  # a parent's limit, through the hierarchy
-    monkeypatch.setattr(accounting, "_cgroup_room", lambda: 1)
-    assert accounting.available_memory() == 1
+    assert system._cgroup_room(str(tmp_path)) == 2000 - 600 + 50  # a parent's limit, through the hierarchy
+    monkeypatch.setattr(system, "_cgroup_room", lambda: 1)
+    assert system.available_memory() == 1
 
 
 def test_a_failed_store_write_leaves_no_partial_file_and_a_full_disk_is_refused_first(saved, monkeypatch):

@@ -3,13 +3,14 @@ accumulation equals a full batch, gradient checkpointing, bf16 autocast, resume 
 
 import copy
 import io
+import json
 import math
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
+from stem_hf import StemForCausalLM
 from stem_hf.accounting import num_table_parameters
 from stem_hf.training import (
     RowSparseAdamW,
@@ -20,25 +21,11 @@ from stem_hf.training import (
     param_groups,
     use_sparse_table_grads,
 )
-from tests.conftest import tiny_model
+from tests.conftest import _dataset, tiny_model
 
 
 def _stem(**overrides):
     return tiny_model(table_dtype="float32", **overrides)
-
-
-def _dataset(n: int = 16, length: int = 12, seed: int = 0, ragged: bool = False) -> Dataset:
-    """Token rows where the next token is mostly predictable (a repeating pattern with a random start)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n):
-        start = int(torch.randint(3, 40, (1,), generator=g))
-        ids = [(start + 5 * k) % 90 + 3 for k in range(length)]
-        labels = list(ids)
-        if ragged:  # different numbers of label tokens per row: accumulation must weigh tokens, not rows
-            labels[: 1 + i % 7] = [-100] * (1 + i % 7)
-        rows.append({"input_ids": ids, "labels": labels})
-    return Dataset.from_list(rows)
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
@@ -419,8 +406,8 @@ def test_stem_trainer_defaults_to_row_only_table_gradients(tmp_path, vocab):
         args = _args(tmp_path, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2)
         trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(8, ragged=True), sparse_table_grads=sparse)
         assert trainer.sparse_table_grads is (sparse is None)
-        if sparse is None:
-            assert model.config.table_dtype == "float32"  # raised before sparse gradients, as train() would
+        if sparse is None:  # raised before sparse gradients, as train() would
+            assert all(t.weight.dtype == torch.float32 for t in model.model.stem_tables.values())
         assert all(t.sparse is (sparse is None) for t in model.model.stem_tables.values())
         with _Shapes(model) as shapes:
             trainer.train()
@@ -438,3 +425,130 @@ def test_stem_trainer_keeps_dense_table_gradients_where_sparse_ones_are_untested
     model.model.stem_tables.requires_grad_(False)
     assert not StemTrainer(model=model, args=_args(tmp_path)).sparse_table_grads
     assert not any(t.sparse for t in model.model.stem_tables.values())
+
+
+# A plain Trainer on bf16 tables trains them in float32, so that no update rounds away (issue 23)
+
+
+IDS = torch.tensor([[1, 5, 6, 7, 9, 11, 13]])
+
+
+def _touched_fraction_changed(model, steps: int = 3, lr: float = 1e-5) -> float:
+    """Plain Trainer, default arguments but the learning rate: the share of the batch's table values that moved."""
+    rows = torch.unique(IDS[0, :-1])  # the last position predicts nothing: its row gets no gradient
+    before = {k: t.weight[rows].float().clone() for k, t in model.model.stem_tables.items()}
+    data = [{"input_ids": IDS[0], "labels": IDS[0]}] * steps
+    args = TrainingArguments(
+        output_dir="/tmp/unused", per_device_train_batch_size=1, learning_rate=lr, max_steps=steps, report_to=[]
+    )
+    args = args.set_save(strategy="no").set_logging(strategy="no")
+    Trainer(model=model, args=args, train_dataset=data).train()
+    moved = [(t.weight[rows].float() != before[k]).float().mean() for k, t in model.model.stem_tables.items()]
+    return float(sum(moved) / len(moved))
+
+
+def test_a_plain_trainer_fine_tunes_bf16_tables_in_float32_and_saves_every_update(tmp_path):
+    model = tiny_model(table_dtype="bfloat16")
+    torch.nn.init.normal_(model.model.stem_tables["1"].weight, std=1.0)  # values whose bf16 spacing dwarfs 1e-5 steps
+    torch.nn.init.normal_(model.model.stem_tables["3"].weight, std=1.0)
+    model.save_pretrained(tmp_path / "ck")
+    loaded = StemForCausalLM.from_pretrained(tmp_path / "ck")
+    assert loaded.model.stem_tables["1"].weight.dtype == torch.bfloat16
+    assert _touched_fraction_changed(loaded) > 0.9
+    assert loaded.model.stem_tables["1"].weight.dtype == torch.float32
+    assert loaded.config.table_dtype == "bfloat16"  # training never writes the config
+    loaded.save_pretrained(tmp_path / "tuned")  # the tables as held: float32, every update kept
+    reread = StemForCausalLM.from_pretrained(tmp_path / "tuned")
+    assert reread.model.stem_tables["1"].weight.dtype == torch.float32 and reread.config.table_dtype == "float32"
+    assert torch.equal(reread.model.stem_tables["1"].weight, loaded.model.stem_tables["1"].weight)
+    loaded.save_pretrained(tmp_path / "rounded", table_dtype="bfloat16")  # the user's choice: bf16, rounded
+    rounded = StemForCausalLM.from_pretrained(tmp_path / "rounded")
+    assert rounded.model.stem_tables["1"].weight.dtype == torch.bfloat16 and rounded.config.table_dtype == "bfloat16"
+    assert torch.equal(rounded.model.stem_tables["1"].weight, loaded.model.stem_tables["1"].weight.bfloat16())
+    assert loaded.config.table_dtype == "bfloat16"  # neither save changed the model's config
+
+    kept = StemForCausalLM.from_pretrained(tmp_path / "ck")
+    kept.model.stem_tables.upcast_for_training = False  # the old path: tables trained as stored
+    assert _touched_fraction_changed(kept) < 0.1
+
+
+def test_frozen_tables_stay_as_stored_and_bf16_training_warns(caplog):
+    model = tiny_model(table_dtype="bfloat16")
+    model.model.stem_tables.requires_grad_(False)
+    model.train()
+    assert model.model.stem_tables["1"].weight.dtype == torch.bfloat16
+    model.model.stem_tables.requires_grad_(True)
+    model.model.stem_tables.upcast_for_training = False
+    model.train()
+    from transformers.utils import logging
+
+    logging.get_logger("stem_hf.modeling_stem").warning_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        model(IDS, labels=IDS).loss.backward()
+    assert "training STEM tables in bfloat16" in caplog.text
+
+
+def test_an_optimizer_that_decays_tables_is_named_once(caplog):
+    model = tiny_model(table_dtype="float32").train()
+    decayed = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model(IDS, labels=IDS).loss.backward()
+    with caplog.at_level("WARNING"):
+        decayed.step()
+        decayed.step()
+    assert caplog.text.count("applies weight_decay=0.1 to STEM tables") == 1
+
+
+def test_a_plain_trainer_resumes_a_bf16_checkpoint_whose_tables_it_upcast(tmp_path):
+    tiny_model(table_dtype="bfloat16").save_pretrained(tmp_path / "ck")
+    data = [{"input_ids": IDS[0], "labels": IDS[0]}] * 4
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=1, max_steps=2, report_to=[], save_steps=2
+    )
+    Trainer(model=StemForCausalLM.from_pretrained(tmp_path / "ck"), args=args, train_dataset=data).train()
+    args.max_steps = 4  # the optimizer state comes back before train() upcasts the tables
+    resumed = Trainer(model=StemForCausalLM.from_pretrained(tmp_path / "ck"), args=args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+
+
+def test_under_torch_distributed_train_leaves_tables_and_upcast_trainable_casts_them(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_model(table_dtype="bfloat16").train()
+        assert model.model.stem_tables["1"].weight.dtype == torch.bfloat16  # a wrapped model could not change it
+        assert model.model.stem_tables.upcast_trainable() == ["1", "3"]  # before wrapping: the caller's call
+        assert model.model.stem_tables["1"].weight.dtype == torch.float32
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_row_sparse_optimizer_keeps_its_float32_state_on_tables_trained_as_stored():
+    from stem_hf.training import RowSparseAdamW, param_groups
+
+    model = tiny_model(table_dtype="bfloat16")
+    model.model.stem_tables.upcast_for_training = False
+    model.train()
+    for row_sparse in (False, True):
+        optimizer = RowSparseAdamW(param_groups(model, 1e-3, row_sparse_tables=row_sparse))
+        for _ in range(3):
+            model(IDS, labels=IDS).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states = [optimizer.state[t.weight] for t in model.model.stem_tables.values()]
+        assert all(v.dtype == torch.float32 for s in states for v in s.values() if torch.is_floating_point(v))
+
+
+def test_with_frozen_tables_beside_trained_ones_the_config_keeps_the_stored_dtype(tmp_path, caplog):
+    model = tiny_model(table_dtype="bfloat16")
+    model.model.stem_tables["3"].requires_grad_(False)
+    model.train()
+    assert model.model.stem_tables["1"].weight.dtype == torch.float32
+    assert model.model.stem_tables["3"].weight.dtype == torch.bfloat16
+    assert model.config.table_dtype == "bfloat16"  # the frozen table is not doubled on disk
+    from transformers.utils import logging
+
+    logging.get_logger("stem_hf.checkpoint_stem").warning_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        model.save_pretrained(tmp_path)
+    assert "tables held in float32" in caplog.text  # the rounding of the trained one is said
+    assert json.loads((tmp_path / "config.json").read_text())["table_dtype"] == "bfloat16"
