@@ -9,6 +9,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 """
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -236,6 +237,17 @@ def _row_worker() -> ThreadPoolExecutor:
     if _ROW_WORKER is None:
         _ROW_WORKER = ThreadPoolExecutor(1, thread_name_prefix="stem-host-rows")
     return _ROW_WORKER
+
+
+def _forget_row_worker() -> None:
+    """A forked child has no worker thread, only the parent's executor, which would take work and never run it."""
+    global _ROW_WORKER
+    _ROW_WORKER = None
+    _COPY_STREAMS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_row_worker)
 
 
 class StemHostRowsGrad(torch.autograd.Function):

@@ -261,3 +261,29 @@ def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monke
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     initial = sensitive_model(stem_layers=[1, 2, 3]).model.stem_tables["2"].weight.float()
     assert not torch.equal(models[1].model.stem_tables["2"].weight, initial)  # the tables did train
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_host_row_worker_of_its_own(monkeypatch):
+    """The parent's worker thread does not survive a fork: given the parent's executor, a child's fetch would wait
+    forever. (A whole forward is not run in the child: torch's own thread pool does not survive a fork either.)"""
+    from stem_hf import modeling_stem
+
+    _host_served(monkeypatch)
+    with torch.no_grad():
+        sensitive_model(stem_layers=[1, 2, 3])(torch.tensor([[5, 6, 7]]))  # the parent's worker now exists
+    assert modeling_stem._ROW_WORKER is not None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            done = modeling_stem._row_worker().submit(lambda: 42).result(timeout=10) == 42
+            os.write(write, b"1" if done else b"0")
+        except BaseException:
+            os.write(write, b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
