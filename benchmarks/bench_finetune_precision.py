@@ -53,20 +53,21 @@ def finetune(checkpoint: Path, data: list[dict], lr: float, steps: int, batch: i
     seconds = time.perf_counter() - start
     trained_dtype = str(next(iter(tables.values())).weight.dtype).removeprefix("torch.")
     with tempfile.TemporaryDirectory() as saved_dir:
-        model.save_pretrained(saved_dir)  # the default save: in config.table_dtype, float32 once train() upcast
-        saved = StemForCausalLM.from_pretrained(saved_dir).model.stem_tables
+        model.save_pretrained(saved_dir)  # the default save: the tables as held, float32 once train() upcast them
+        saved_model = StemForCausalLM.from_pretrained(saved_dir)
+        saved_dtype, saved = saved_model.config.table_dtype, saved_model.model.stem_tables
         moved, kept_by_save, kept_by_bf16 = [], [], []
         for key, table in tables.items():
             after = table.weight[touched].float()
             moved.append((after != before[key]).float().mean().item())
             kept_by_save.append((saved[key].weight[touched].float() != before[key]).float().mean().item())
-            # What a save in bf16 (set_table_dtype("bfloat16") first) would keep of the update.
+            # What a save in bf16 (save_pretrained(..., table_dtype="bfloat16")) would keep of the update.
             kept_by_bf16.append((after.bfloat16().float() != before[key]).float().mean().item())
-        del saved
+        del saved, saved_model
     return {
         "lr": lr,
         "tables_trained_in": trained_dtype,
-        "saved_table_dtype": model.config.table_dtype,
+        "saved_table_dtype": saved_dtype,
         "touched_values_changed": sum(moved) / len(moved),
         "touched_values_changed_after_default_save": sum(kept_by_save) / len(kept_by_save),
         "touched_values_changed_if_saved_in_bf16": sum(kept_by_bf16) / len(kept_by_bf16),

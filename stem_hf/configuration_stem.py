@@ -144,9 +144,10 @@ class StemConfig(PreTrainedConfig):
         qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3-style checkpoints).
         attention_out_bias: bias on the attention output projection; `None` follows `attention_bias` (Llama, Qwen3).
             Qwen2 has biases on q, k and v only: `attention_bias=True, attention_out_bias=False`.
-        table_dtype: the dtype tables are created, stored and served in (`"bfloat16"`, `"float16"` or `"float32"`).
+        table_dtype: the dtype tables are created, loaded and served in (`"bfloat16"`, `"float16"` or `"float32"`).
             Loading makes no copy of a table stored in this dtype, and model-wide casts (`model.half()`) leave tables
-            alone; `model.set_table_dtype` changes it. Train tables in `"float32"`, as the paper does.
+            alone; `model.set_table_dtype` changes it. Training casts trainable tables to float32 in memory without
+            changing it, and a save writes the tables as held (`save_pretrained(..., table_dtype=...)` chooses).
         keep_tables_on_cpu: when the model is moved to an accelerator (`.to("cuda")`, `device_map`), tables stay in
             host memory and each forward moves only the rows of the batch's distinct tokens. Set it to False to train
             with DDP or FSDP, which want every parameter on the accelerator.
@@ -231,7 +232,7 @@ class StemConfig(PreTrainedConfig):
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
         check_table_dtype(self.table_dtype)
-        self.stem_layers = resolve_stem_layers(self.stem_layers, self.num_hidden_layers)
+        self.stem_layers = self.stem_layers  # resolved by __setattr__, which keeps a ratio to follow num_hidden_layers
         if not self.qk_norm:  # no rule for modules the model does not have (transformers warns about those)
             plan = type(self).base_model_tp_plan
             self.base_model_tp_plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
@@ -239,14 +240,24 @@ class StemConfig(PreTrainedConfig):
         _check_rope(self.rope_parameters)  # after transformers turns legacy rope fields into rope_parameters
 
     def __setattr__(self, key, value):
-        # Checked and resolved where it is set, once (the first set, in `__init__`, is resolved by `__post_init__`): a
-        # ratio set on a built config (`config.stem_layers = "1/2"`) is the explicit list at once, for the model, the
-        # checkpoint checks and the accounting alike.
+        # Checked and resolved where it is set (the first set, in `__init__`, is resolved by `__post_init__`): a ratio
+        # set on a built config (`config.stem_layers = "1/2"`) is the explicit list at once, for the model, the
+        # checkpoint checks and the accounting alike. A ratio is kept (`_stem_layers_spec`, never saved) so that
+        # setting `num_hidden_layers` after it, as `update` and `from_dict(**kwargs)` may, resolves it again.
         if key == "stem_layers" and key in self.__dict__:
+            self.__dict__["_stem_layers_spec"] = value if isinstance(value, str) else None
             value = resolve_stem_layers(value, self.num_hidden_layers)
         elif key == "table_dtype" and key in self.__dict__:
             value = check_table_dtype(value)
         super().__setattr__(key, value)
+        spec = self.__dict__.get("_stem_layers_spec")
+        if key == "num_hidden_layers" and spec is not None:
+            super().__setattr__("stem_layers", resolve_stem_layers(spec, value))
+
+    def to_dict(self) -> dict:
+        output = super().to_dict()
+        output.pop("_stem_layers_spec", None)
+        return output
 
     @property
     def torch_table_dtype(self) -> torch.dtype:

@@ -310,14 +310,22 @@ class StemTableRows:
             self._unique = unique, inverse.to(self.stem_input_ids.device, non_blocking=True)
         return self._unique
 
+    def pipelined(self, table: nn.Embedding) -> bool:
+        """Whether the worker serves `table`: a plain table in host memory, for ids on a CUDA device (or on the CPU,
+        where tests route a model through this path). Under compile a thread is not traceable; a wrapped table (PEFT's
+        trainable tokens) or a hooked one computes its rows in its own forward; a table on another accelerator, or ids
+        on one without CUDA streams, are served by the plain lookup."""
+        plain = type(table) is StemTable and not (table._forward_hooks or table._forward_pre_hooks)
+        on_host = table.weight.device.type == "cpu" and self.stem_input_ids.device.type in ("cuda", "cpu")
+        return plain and on_host and not torch.compiler.is_compiling()
+
     def host_rows(self, layer_idx: int) -> torch.Tensor:
-        """Layer `layer_idx`'s rows from its host table, fetched ahead by the worker."""
+        """Layer `layer_idx`'s rows from a table on another device than the ids: each distinct id looked up once, only
+        those rows moved; fetched ahead by the worker where `pipelined`."""
         unique, inverse = self.distinct()
         table = self.tables[str(layer_idx)]
-        if torch.compiler.is_compiling() or type(table) is not StemTable or table._forward_hooks:
-            # Under compile a thread is not traceable; a wrapped table (PEFT's trainable tokens) or a hooked one
-            # computes its rows in its own forward.
-            return table(unique).to(self.stem_input_ids.device)[inverse]
+        if not self.pipelined(table):
+            return table(unique.to(table.weight.device)).to(self.stem_input_ids.device, non_blocking=True)[inverse]
         if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
             rows, ready = self._fetch(table, unique, self._main_stream())
         else:
@@ -336,7 +344,9 @@ class StemTableRows:
 
     def _fetch_ahead(self, layer_idx: int) -> None:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
-        layers = sorted(int(k) for k, t in self.tables.items() if int(k) >= layer_idx and self.host_served(t))
+        layers = sorted(
+            int(k) for k, t in self.tables.items() if int(k) >= layer_idx and self.host_served(t) and self.pipelined(t)
+        )
         unique, _ = self.distinct()
         main = self._main_stream()  # read in this thread: the worker's current stream is another
         for layer in layers[: 1 + HOST_ROWS_AHEAD]:

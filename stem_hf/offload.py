@@ -251,7 +251,8 @@ class StemMappedTables:
     one page fault at a time. Refuses a file that is truncated or does not match `config` (layers, vocabulary, width,
     dtype) or the save the model was loaded from (`save_id`). Checked against a model (`config` or `save_id` given),
     a store and model whose save ids cannot be compared (either has none, or the model's tables changed since its last
-    load or save) are refused too, unless `allow_unverified=True`: shapes alone do not tell two models' tables apart."""
+    load or save) are refused too, unless `allow_unverified=True`: shapes alone do not tell two models' tables apart.
+    `table_dtype`: the dtype the model's tables are held in, if not `config.table_dtype` (trained tables: float32)."""
 
     int8, scales = False, None
 
@@ -262,6 +263,7 @@ class StemMappedTables:
         save_id: str | None = None,
         will_need: bool = True,
         allow_unverified: bool = False,
+        table_dtype: str | None = None,
     ):
         self.path = os.fspath(path)
         metadata = _read_store_metadata(self.path)
@@ -276,7 +278,7 @@ class StemMappedTables:
                 "stem_layers": (config.stem_layers, self.layers),
                 "vocab_size": (config.vocab_size, self.vocab_size),
                 "intermediate_size": (config.intermediate_size, self.width),
-                "table_dtype": (config.table_dtype, str(self.table_dtype).removeprefix("torch.")),
+                "table_dtype": (table_dtype or config.table_dtype, str(self.table_dtype).removeprefix("torch.")),
             }
             for name, (want, have) in expected.items():
                 if want != have:
@@ -438,7 +440,11 @@ class StemOffloadEngine:
                     "are options of a store built in memory"
                 )
             save_id = getattr(model, "stem_save_id", None)
-            self.store = StemMappedTables(store, model.config, save_id, allow_unverified=allow_unverified)
+            held = {str(m.weight.dtype).removeprefix("torch.") for m in self.tables_module.values()}
+            held = held.pop() if len(held) == 1 else None  # float32 once trained, whatever the config says
+            self.store = StemMappedTables(
+                store, model.config, save_id, allow_unverified=allow_unverified, table_dtype=held
+            )
         else:
             if allow_unverified:
                 raise ValueError("allow_unverified: only a mapped store (store=PATH) is checked against a save")

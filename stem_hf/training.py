@@ -204,8 +204,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
 
 def stem_tables(model: nn.Module) -> list[nn.Embedding]:
-    """Every STEM table module of `model`, however wrapped (PEFT, DDP, a compiled module)."""
-    return [module for module in model.modules() if isinstance(module, StemTable)]
+    """Every STEM table module of `model` whose weight `param_groups` puts in the tables group (named
+    `...stem_tables.N.weight`), however the model is wrapped (DDP, a compiled module). A copy PEFT trains under
+    another name (`modules_to_save`) is not one: it lands in a dense group, where a sparse gradient is refused."""
+    return [m for n, m in model.named_modules() if isinstance(m, StemTable) and TABLE_KEY.search(f"{n}.weight")]
 
 
 def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
@@ -266,9 +268,10 @@ class StemTrainer(Trainer):
     over the same groups.
 
     `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a
-    `[vocab, d_ff]` tensor) and clips with `clip_grad_norm`. The default, None, turns them on where they are tested:
-    one process, no FSDP, DeepSpeed or `torch_compile`, `row_sparse_tables`, the optimizer built here (not passed in)
-    and a trainable table (which then trains in float32, as `model.train()` would make it). True asks for them anyway
+    `[vocab, d_ff]` tensor) and clips with `clip_grad_norm`, for the length of `train()`: the model's tables are as
+    they were before and after it. The default, None, turns them on where they are tested: one process, no FSDP,
+    DeepSpeed, DataParallel or `torch_compile`, `row_sparse_tables`, the optimizer built here (not passed in), and a
+    trainable table, float32 or to be upcast by `train()` (`StemTables.upcast_for_training`). True asks for them anyway
     (one process only); False keeps dense table gradients. Everything else is Trainer's."""
 
     def __init__(
@@ -282,21 +285,41 @@ class StemTrainer(Trainer):
         self.table_lr = table_lr
         super().__init__(*args, **kwargs)
         unsupported = self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.world_size > 1
+        unsupported = unsupported or self.args.n_gpu > 1  # DataParallel: one process, replicas
         if sparse_table_grads and unsupported:
             raise ValueError("sparse_table_grads: one process only (not tested with DDP, FSDP or DeepSpeed)")
         if sparse_table_grads is None:
-            trainable = any(t.weight.requires_grad for t in stem_tables(self.model))
-            own_optimizer = self.optimizer is None  # one passed in may not take sparse gradients
             sparse_table_grads = (
-                trainable and own_optimizer and row_sparse_tables and not unsupported and not self.args.torch_compile
+                self._tables_can_take_sparse_grads()
+                and self.optimizer is None  # one passed in may not take sparse gradients
+                and row_sparse_tables
+                and not unsupported
+                and not self.args.torch_compile
             )
         self.row_sparse_tables = row_sparse_tables or sparse_table_grads  # sparse gradients need the row groups
         self.sparse_table_grads = sparse_table_grads
-        if sparse_table_grads:
+
+    def _tables_can_take_sparse_grads(self) -> bool:
+        """A trainable table, each in float32 or to be upcast by `train()`, none on the meta device."""
+        trainable = [t for t in stem_tables(self.model) if t.weight.requires_grad]
+        owners = [m for m in self.model.modules() if isinstance(m, StemTables)]
+        upcast = all(m.upcast_for_training for m in owners)
+        fp32_or_upcast = all(t.weight.dtype == torch.float32 or upcast for t in trainable)
+        return bool(trainable) and fp32_or_upcast and all(t.weight.device.type != "meta" for t in trainable)
+
+    def train(self, *args, **kwargs):
+        tables = stem_tables(self.model)
+        before = [table.sparse for table in tables]
+        if self.sparse_table_grads:
             for module in self.model.modules():
                 if isinstance(module, StemTables):
-                    module.upcast_trainable()  # what train() does; sparse gradients need it first
-            use_sparse_table_grads(self.model)
+                    module.upcast_trainable()  # what model.train() does; sparse gradients need it first
+        use_sparse_table_grads(self.model, enable=self.sparse_table_grads)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for table, sparse in zip(tables, before, strict=True):
+                table.sparse = sparse
 
     def _clip_grad_norm(self, model):
         if not self.sparse_table_grads:

@@ -148,3 +148,17 @@ def test_stem_config_keeps_llama_fields_valid_for_dense_sources():
     dense = LlamaConfig(**{**TINY, "pad_token_id": -1})
     assert stem_config_from_dense(dense, "1/2").pad_token_id is None  # "-1: no pad token" in some Llama configs
     assert isinstance(StemConfig(**TINY), StemConfig)
+
+
+def test_a_ratio_follows_num_hidden_layers_set_after_it_in_any_order():
+    base = tiny_config().to_dict()
+    assert "_stem_layers_spec" not in base  # never saved
+    assert StemConfig.from_dict(base, stem_layers="1/2", num_hidden_layers=8).stem_layers == [1, 3, 5, 7]
+    config = tiny_config()
+    config.update({"stem_layers": "full", "num_hidden_layers": 6})
+    assert config.stem_layers == [1, 2, 3, 4, 5]
+    config.update({"num_hidden_layers": 8, "stem_layers": "full"})
+    assert config.stem_layers == list(range(1, 8))
+    config.stem_layers = [1, 2]  # an explicit list is the user's: it does not follow
+    config.num_hidden_layers = 6
+    assert config.stem_layers == [1, 2]

@@ -302,6 +302,23 @@ def test_a_model_without_a_save_or_changed_since_is_refused_a_store_unless_allow
         StemOffloadEngine(model, allow_unverified=True)
 
 
+def test_a_trained_model_saved_in_float32_takes_the_store_of_that_save(tmp_path):
+    """Training leaves config.table_dtype bf16 while the save holds the float32 tables: the store written from that save
+    is the model's own, and serves its logits."""
+    from stem_hf.offload import write_offload_store
+
+    model = sensitive_model(table_dtype="bfloat16").train()  # upcasts the tables to float32 in memory
+    model.eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    assert model.config.table_dtype == "bfloat16"
+    store = write_offload_store(tmp_path / "ckpt")
+    ids = torch.tensor([[5, 9, 5, 2]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        with StemOffloadEngine(model, store=store):
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bad", [-1, 10**9])
 def test_prefetch_and_plan_refuse_ids_outside_the_vocabulary_as_the_forward_does(bad):
     model = sensitive_model()

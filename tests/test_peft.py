@@ -128,3 +128,21 @@ def test_peft_prompt_tuning_trains_and_generates_with_soft_prompts_on_zero_rows(
     assert not torch.allclose(out.logits.detach(), at_the_end, atol=1e-3)  # zero rows at the wrong end would show
     generated = peft_model.generate(input_ids=IDS, max_new_tokens=1, do_sample=False)
     assert generated[0, -1] == by_hand[0, -1].argmax()
+
+
+@pytest.mark.parametrize("peft_kwargs", [{"token_ids": [5, 7]}, {"modules_to_save": ["stem_tables.1"]}])
+def test_stem_trainer_trains_a_peft_model_with_dense_gradients_for_tables_peft_renames(tmp_path, peft_kwargs):
+    """PEFT's copies of a table are named otherwise than `stem_tables.N.weight`, so `param_groups` puts them in a dense
+    group; `StemTrainer`'s default leaves their gradients dense (a sparse one there would be refused)."""
+    from transformers import TrainingArguments
+
+    from stem_hf.training import StemTrainer
+
+    base = _base()
+    model = get_peft_model(base, lora_config(base, r=4, **peft_kwargs))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                             save_strategy="no", use_cpu=True, learning_rate=1e-2, disable_tqdm=True)  # fmt: skip
+    trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(8))
+    assert not trainer.sparse_table_grads
+    trainer.train()
+    assert trainer.state.global_step == 2

@@ -287,3 +287,18 @@ def test_a_forked_child_gets_a_host_row_worker_of_its_own(monkeypatch):
     answer = os.read(read, 1)
     os.waitpid(pid, 0)
     assert answer == b"1"
+
+
+def test_tables_the_worker_cannot_serve_are_looked_up_by_the_table_itself(monkeypatch):
+    """A hooked table computes its rows in its own forward (the hook runs), and a table that is not in host memory
+    (here on the meta device, for another accelerator) is never handed to the worker, which reads host memory."""
+    fetches = _host_served(monkeypatch)
+    model = sensitive_model(stem_layers=[1, 2, 3])
+    ids = torch.tensor([[5, 9, 5, 2]])
+    calls = []
+    model.model.stem_tables["2"].register_forward_pre_hook(lambda module, args: calls.append(args[0].tolist()))
+    rows = StemTableRows(model.model.stem_tables, ids)
+    assert torch.equal(rows[2], model.model.stem_tables["2"].weight[ids]) and calls == [[2, 5, 9]]
+    assert fetches == []  # layer 2's rows came from its own forward, not the worker
+    assert rows.pipelined(model.model.stem_tables["1"])
+    assert not rows.pipelined(torch.nn.Embedding(4, 2, device="meta"))

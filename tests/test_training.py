@@ -213,7 +213,7 @@ def test_stem_trainer_with_sparse_table_grads_accumulates_like_a_full_batch(tmp_
             model=model, args=args, train_dataset=data, sparse_table_grads=True, optimizers=(optimizer, None)
         )
         trainer.train()
-        assert model.model.stem_tables["1"].sparse
+        assert trainer.sparse_table_grads and not model.model.stem_tables["1"].sparse  # sparse for train() only
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
@@ -406,15 +406,28 @@ def test_stem_trainer_defaults_to_row_only_table_gradients(tmp_path, vocab):
         args = _args(tmp_path, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2)
         trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(8, ragged=True), sparse_table_grads=sparse)
         assert trainer.sparse_table_grads is (sparse is None)
-        if sparse is None:  # raised before sparse gradients, as train() would
-            assert all(t.weight.dtype == torch.float32 for t in model.model.stem_tables.values())
-        assert all(t.sparse is (sparse is None) for t in model.model.stem_tables.values())
+        tables = model.model.stem_tables.values()
+        assert all(t.weight.dtype == torch.bfloat16 and not t.sparse for t in tables)  # untouched until train()
+        model.train()  # the float32 copies of the tables, made here, are parameters, not gradients
         with _Shapes(model) as shapes:
             trainer.train()
         assert ((vocab, 64) in shapes) is (sparse is False), sorted(shapes, key=math.prod)[-3:]
+        assert all(t.weight.dtype == torch.float32 and not t.sparse for t in tables)  # trained in fp32; restored
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_stem_trainer_changes_the_model_only_while_it_trains_and_a_plain_trainer_trains_it_after(tmp_path):
+    model = tiny_model(table_dtype="bfloat16")
+    StemTrainer(model=model, args=_args(tmp_path), eval_dataset=_dataset(4))  # built to evaluate: no change
+    assert all(t.weight.dtype == torch.bfloat16 and not t.sparse for t in model.model.stem_tables.values())
+    StemTrainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=_dataset(4)).train()
+    # Dense table gradients again: torch's clip_grad_norm_ in a plain Trainer refuses sparse ones.
+    Trainer(model=model, args=_args(tmp_path, max_steps=1, max_grad_norm=1.0), train_dataset=_dataset(4)).train()
+    kept = tiny_model(table_dtype="bfloat16")
+    kept.model.stem_tables.upcast_for_training = False  # bf16 tables train as stored: sparse bf16 cannot add up
+    assert not StemTrainer(model=kept, args=_args(tmp_path)).sparse_table_grads
 
 
 def test_stem_trainer_keeps_dense_table_gradients_where_sparse_ones_are_untested(tmp_path):
