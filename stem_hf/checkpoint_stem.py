@@ -18,7 +18,7 @@ import shutil
 import struct
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -970,15 +970,22 @@ def _split_state_dict(model, state_dict: dict | None) -> tuple[dict, dict]:
     return tables, dense
 
 
+def held_table_dtype(tables: Iterable[torch.Tensor]) -> str | None:
+    """The table dtype all of `tables` are held in (float32 once trained, whatever the config says); None if they
+    differ (some trained, some frozen) or none is a table dtype."""
+    held = {str(t.dtype).removeprefix("torch.") for t in tables}
+    return held.pop() if len(held) == 1 and next(iter(held)) in TABLE_DTYPES else None
+
+
 def saved_table_dtype(model, tables: dict[str, torch.Tensor], table_dtype: str | torch.dtype | None = None) -> str:
     """The dtype a save writes the tables in: `table_dtype` if the caller names one; else the tables' own where they
     share one (float32 after training, which upcasts trainable tables: a save keeps every update); else, with tables
     in different dtypes (some trained, some frozen), `config.table_dtype`, with a warning that it rounds the finer."""
     if table_dtype is not None:
         return check_table_dtype(str(table_dtype).removeprefix("torch."))
-    held = {str(t.dtype).removeprefix("torch.") for t in tables.values()}
-    if len(held) == 1 and next(iter(held)) in TABLE_DTYPES:
-        return held.pop()
+    held = held_table_dtype(tables.values())
+    if held is not None:
+        return held
     stored = model.config.torch_table_dtype
     finer = sorted({str(t.dtype)[6:] for t in tables.values() if t.itemsize > stored.itemsize})
     if finer:
@@ -1095,6 +1102,7 @@ __all__ = [
     "read_index",
     "SAFETENSORS_DTYPES",
     "folder_save_ids",
+    "held_table_dtype",
     "read_save_id",
     "saved_table_dtype",
     "reading_checkpoint",

@@ -43,6 +43,7 @@ from .checkpoint_stem import (
     advise_random_access,
     block_rows,
     check_checkpoint_files,
+    held_table_dtype,
     read_index,
     read_safetensors_header,
     read_safetensors_metadata,
@@ -440,8 +441,7 @@ class StemOffloadEngine:
                     "are options of a store built in memory"
                 )
             save_id = getattr(model, "stem_save_id", None)
-            held = {str(m.weight.dtype).removeprefix("torch.") for m in self.tables_module.values()}
-            held = held.pop() if len(held) == 1 else None  # float32 once trained, whatever the config says
+            held = held_table_dtype(m.weight for m in self.tables_module.values())
             self.store = StemMappedTables(
                 store, model.config, save_id, allow_unverified=allow_unverified, table_dtype=held
             )
