@@ -20,7 +20,7 @@ from .accounting import summarize
 from .configuration_stem import StemConfig
 from .extras import require
 from .modeling_stem import StemForCausalLM
-from .training import StemTrainer
+from .training import PAPER_ARGUMENTS, RECIPES, StemTrainer
 
 
 @dataclass
@@ -37,11 +37,18 @@ class PretrainSettings:
     steps: int = 400
     lr: float = 3e-3
     table_lr: float | None = None  # the reference code trains tables at the backbone's learning rate
+    recipe: str = "stem-hf"  # StemTrainer's optimizer recipe: "stem-hf", or "paper" (the reference code's)
     warmup: float = 0.05
     eval_every: int = 50
     valid_fraction: float = 0.05
     seed: int = 0
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe: {self.recipe!r} is not one of {', '.join(RECIPES)}")
+        if self.recipe == "paper" and self.table_lr is not None:
+            raise ValueError("recipe 'paper' trains the tables at the backbone's learning rate: leave table_lr unset")
 
 
 def split_corpus(texts: list[str], valid_fraction: float, seed: int, piece: int = 4000) -> tuple[list[str], list[str]]:
@@ -111,8 +118,11 @@ def configs(settings: PretrainSettings, vocab_size: int) -> tuple[StemConfig, St
 
 
 def training_arguments(out: Path, settings: PretrainSettings, **overrides) -> TrainingArguments:
-    """From-scratch training as the paper's reference code does it: AdamW with weight decay 0.1, linear warmup, cosine
-    decay, the same seed for weights and data order; no checkpoints. `overrides` win over these and `settings.extra`."""
+    """From-scratch training: linear warmup, then cosine decay, the same seed for weights and data order, no
+    checkpoints. With `settings.recipe="stem-hf"`, AdamW with weight decay 0.1 on the dense matrices (StemTrainer's
+    groups), Trainer's betas (0.9, 0.999) and cosine to 0; with `"paper"`, the reference code's `PAPER_ARGUMENTS`
+    (betas (0.9, 0.95), cosine to a tenth of the rate; decay on every parameter through the recipe's one group).
+    `overrides` win over these and `settings.extra`."""
     args = dict(
         output_dir=str(out),
         per_device_train_batch_size=settings.batch_size,
@@ -132,6 +142,8 @@ def training_arguments(out: Path, settings: PretrainSettings, **overrides) -> Tr
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
     )
+    if settings.recipe == "paper":
+        args.update(PAPER_ARGUMENTS)
     return TrainingArguments(**{**args, **settings.extra, **overrides})
 
 
@@ -139,7 +151,14 @@ def train_one(config: StemConfig, train: Dataset, valid: Dataset, settings: Pret
     torch.manual_seed(settings.seed)
     model = StemForCausalLM(config)
     args = training_arguments(out, settings)
-    trainer = StemTrainer(model=model, args=args, train_dataset=train, eval_dataset=valid, table_lr=settings.table_lr)
+    trainer = StemTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=valid,
+        table_lr=settings.table_lr,
+        recipe=settings.recipe,
+    )
     seconds = trainer.train().metrics["train_runtime"]  # the whole train loop, its periodic evaluations included
     if settings.steps % settings.eval_every:  # the last periodic evaluation is not at the end
         trainer.evaluate()

@@ -6,6 +6,7 @@
   rows in the batch (lazy Adam, as `torch.optim.SparseAdam`), with dense tables gradients, so Trainer's clipping and
   accelerate work unchanged. Optimizer state for the tables then scales with the rows seen, not the vocabulary.
 - `build_optimizer` / `StemTrainer`: both plugged into `Trainer`.
+- `recipe="paper"` (`StemTrainer`, `build_optimizer`, with `PAPER_ARGUMENTS`): the reference code's optimizer instead.
 """
 
 from collections.abc import Iterable
@@ -20,6 +21,21 @@ from .extras import require
 from .modeling_stem import StemTable, StemTables
 
 logger = logging.get_logger(__name__)
+
+# The authors' reference optimizer (Infini-AI-Lab/STEM, a Meta Lingua fork: `lingua/optim.py`, the 350M configs, the
+# training script's joint clip): AdamW over every parameter in one group, so tables, norms and embeddings decay alike;
+# dense gradients; one clip over all gradients; linear warmup, then cosine to a tenth of the peak rate. These are the
+# `TrainingArguments` fields `recipe="paper"` needs; the rate, warmup and steps are the user's.
+PAPER_ARGUMENTS = {
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_epsilon": 1e-8,
+    "max_grad_norm": 1.0,
+    "lr_scheduler_type": "cosine_with_min_lr",
+    "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+}
+RECIPES = ("stem-hf", "paper")
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
 
 
@@ -245,27 +261,62 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     return total
 
 
+def check_paper_arguments(args: TrainingArguments) -> None:
+    """Raises, naming each field, where `args` differ from the reference recipe's `PAPER_ARGUMENTS`."""
+    wrong = []
+    for key, want in PAPER_ARGUMENTS.items():
+        got = getattr(args, key)
+        got = getattr(got, "value", got)  # lr_scheduler_type is a SchedulerType
+        if got != want:
+            wrong.append(f"{key}={want!r} (got {got!r})")
+    if wrong:
+        raise ValueError(
+            f"recipe='paper' is the reference code's optimizer and schedule; these TrainingArguments differ from it: "
+            f"{', '.join(wrong)}. Build them as TrainingArguments(..., **stem_hf.training.PAPER_ARGUMENTS)"
+        )
+
+
 def build_optimizer(
     model: nn.Module,
     args: TrainingArguments,
     table_lr: float | None = None,
     row_sparse_tables: bool = True,
     sharded: bool = False,
+    recipe: str = "stem-hf",
 ) -> torch.optim.Optimizer:
     """The optimizer for `Trainer(..., optimizers=(build_optimizer(model, args), None))`: `param_groups` with
     `args.learning_rate`, `args.weight_decay`, `args.adam_beta1/2` and `args.adam_epsilon`, in `RowSparseAdamW`; or,
     with `sharded` (FSDP, which shards every parameter, tables included, along rows, so the row-sparse bookkeeping
-    does not apply), in torch's AdamW over the same groups."""
+    does not apply), in torch's AdamW over the same groups.
+
+    `recipe="paper"`: the reference code's optimizer, torch's AdamW over one group of every trainable parameter at
+    `args.weight_decay` (tables, norms and embeddings decayed alike) and the backbone's rate; `table_lr` and
+    `row_sparse_tables` do not apply."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
+    betas = (args.adam_beta1, args.adam_beta2)
+    if recipe == "paper":
+        if table_lr is not None:
+            raise ValueError("recipe='paper' trains the tables at the backbone's learning rate: leave table_lr unset")
+        params = [p for p in model.parameters() if p.requires_grad]
+        group = {"name": "all", "params": params, "lr": args.learning_rate, "weight_decay": args.weight_decay}
+        return torch.optim.AdamW([group], betas=betas, eps=args.adam_epsilon)
     row_sparse = row_sparse_tables and not sharded
     groups = param_groups(model, args.learning_rate, args.weight_decay, table_lr, 0.0, row_sparse)
     optimizer = torch.optim.AdamW if sharded else RowSparseAdamW
-    return optimizer(groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    return optimizer(groups, betas=betas, eps=args.adam_epsilon)
 
 
 class StemTrainer(Trainer):
-    """`Trainer` whose default optimizer is `build_optimizer`: tables undecayed, at `table_lr` (default: the learning
-    rate), row-sparse unless `row_sparse_tables=False`. Under FSDP (sharded DTensor parameters) it is torch's AdamW
-    over the same groups.
+    """`Trainer` that builds the optimizer of a training `recipe`.
+
+    `recipe="stem-hf"` (the default) is this package's: `build_optimizer`'s groups, tables undecayed at `table_lr`
+    (default: the learning rate), norms and biases undecayed, tables row-sparse (lazy AdamW: rows outside the batch
+    keep their moments and do not move) unless `row_sparse_tables=False`; betas and schedule as `args` say (Trainer's
+    defaults: (0.9, 0.999), linear decay to 0). Under FSDP (sharded DTensor parameters) it is torch's AdamW over the
+    same groups. `recipe="paper"` is the reference code's: torch's AdamW over every parameter at `args.weight_decay`,
+    tables included, dense table gradients and one clip over all gradients; `args` must hold `PAPER_ARGUMENTS`
+    (betas (0.9, 0.95), decay 0.1, clip 1.0, cosine to a tenth of the peak rate), or it raises.
 
     `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a
     `[vocab, d_ff]` tensor) and clips with `clip_grad_norm`, for the length of `train()`: the model's tables are as
@@ -278,12 +329,31 @@ class StemTrainer(Trainer):
         self,
         *args,
         table_lr: float | None = None,
-        row_sparse_tables: bool = True,
+        row_sparse_tables: bool | None = None,
         sparse_table_grads: bool | None = None,
+        recipe: str = "stem-hf",
         **kwargs,
     ):
-        self.table_lr = table_lr
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
+        if recipe == "paper":
+            given = {
+                "table_lr": table_lr,
+                "row_sparse_tables": row_sparse_tables,
+                "sparse_table_grads": sparse_table_grads,
+            }
+            given = [k for k, v in given.items() if v]
+            if given:
+                raise ValueError(
+                    f"recipe='paper' is dense AdamW over every parameter at one learning rate: {', '.join(given)} "
+                    "does not apply to it (use the default recipe for row-sparse tables)"
+                )
+            row_sparse_tables = sparse_table_grads = False
+        row_sparse_tables = True if row_sparse_tables is None else row_sparse_tables
+        self.table_lr, self.recipe = table_lr, recipe
         super().__init__(*args, **kwargs)
+        if recipe == "paper":
+            check_paper_arguments(self.args)
         unsupported = self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.world_size > 1
         unsupported = unsupported or self.args.n_gpu > 1  # DataParallel: one process, replicas
         if sparse_table_grads and unsupported:
@@ -340,7 +410,9 @@ class StemTrainer(Trainer):
                 logger.warning(f"StemTrainer builds its own AdamW: optim={self.args.optim!r} is ignored")
             # Trainer may build the optimizer before FSDP2 shards the model, so ask Trainer, not the parameters.
             sharded = self.is_fsdp_enabled or any(type(p).__name__ == "DTensor" for p in model.parameters())
-            self.optimizer = build_optimizer(model, self.args, self.table_lr, self.row_sparse_tables, sharded)
+            self.optimizer = build_optimizer(
+                model, self.args, self.table_lr, self.row_sparse_tables, sharded, recipe=self.recipe
+            )
         return self.optimizer
 
 
@@ -387,10 +459,13 @@ def adam_state_bytes(model: nn.Module, rows_seen: int | None = None) -> dict[str
 
 __all__ = [
     "LORA_TARGETS",
+    "PAPER_ARGUMENTS",
+    "RECIPES",
     "RowSparseAdamW",
     "StemTrainer",
     "adam_state_bytes",
     "build_optimizer",
+    "check_paper_arguments",
     "clip_grad_norm",
     "lora_config",
     "param_groups",

@@ -13,6 +13,7 @@ from transformers import Trainer, TrainingArguments
 from stem_hf import StemForCausalLM
 from stem_hf.accounting import num_table_parameters
 from stem_hf.training import (
+    PAPER_ARGUMENTS,
     RowSparseAdamW,
     StemTrainer,
     adam_state_bytes,
@@ -565,3 +566,52 @@ def test_with_frozen_tables_beside_trained_ones_the_config_keeps_the_stored_dtyp
         model.save_pretrained(tmp_path)
     assert "tables held in float32" in caplog.text  # the rounding of the trained one is said
     assert json.loads((tmp_path / "config.json").read_text())["table_dtype"] == "bfloat16"
+
+
+def _paper_args(tmp_path, **overrides) -> TrainingArguments:
+    return _args(tmp_path, **{**PAPER_ARGUMENTS, "warmup_steps": 1, **overrides})
+
+
+def test_paper_recipe_is_one_decayed_adamw_group_over_every_parameter(tmp_path):
+    model = _stem()
+    trainer = StemTrainer(model=model, args=_paper_args(tmp_path), train_dataset=_dataset(), recipe="paper")
+    optimizer = trainer.create_optimizer()
+    assert type(optimizer) is torch.optim.AdamW and not trainer.sparse_table_grads
+    (group,) = optimizer.param_groups
+    assert group["weight_decay"] == 0.1 and group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8
+    names = {id(p): n for n, p in model.named_parameters()}
+    grouped = {names[id(p)] for p in group["params"]}
+    assert grouped == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"model.stem_tables.1.weight", "model.norm.weight", "model.embed_tokens.weight"} <= grouped
+
+
+def test_paper_recipe_refuses_arguments_that_differ_from_the_reference(tmp_path):
+    model = _stem()
+    with pytest.raises(ValueError, match=r"weight_decay=0.1 \(got 0.0\), adam_beta2=0.95 \(got 0.999\)") as info:
+        StemTrainer(model=model, args=_args(tmp_path), recipe="paper")
+    assert "min_lr_rate" in str(info.value) and "PAPER_ARGUMENTS" in str(info.value)
+    for given in ({"table_lr": 1e-2}, {"sparse_table_grads": True}, {"row_sparse_tables": True}):
+        with pytest.raises(ValueError, match=f"{next(iter(given))} does not apply"):
+            StemTrainer(model=model, args=_paper_args(tmp_path), recipe="paper", **given)
+    with pytest.raises(ValueError, match="recipe: 'lingua' is not one of stem-hf, paper"):
+        StemTrainer(model=model, args=_args(tmp_path), recipe="lingua")
+
+
+def test_paper_recipe_decays_rows_outside_the_batch_on_its_cosine_to_a_tenth(tmp_path):
+    """A row no batch touches has no gradient: under the reference AdamW it only decays, by `1 - lr_t * 0.1` a step
+    along warmup then cosine to 0.1x (computed here by hand); the default recipe leaves it where it was."""
+    steps, peak, unseen = 5, 1e-2, 94  # the dataset's ids are 3..92 of 96
+    lam = [t / 1 if t < 1 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - 1) / (steps - 1))) for t in range(steps)]
+    expected = math.prod(1 - peak * f * 0.1 for f in lam)
+    for recipe, shrink in (("paper", expected), ("stem-hf", 1.0)):
+        torch.manual_seed(0)
+        model = _stem()
+        before = model.model.stem_tables["1"].weight[unseen].clone()
+        args = _paper_args(tmp_path) if recipe == "paper" else _args(tmp_path, weight_decay=0.1)
+        trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(), recipe=recipe)
+        trainer.train()
+        rates = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+        if recipe == "paper":
+            assert rates == pytest.approx([peak * f for f in lam], rel=1e-6)
+        after = model.model.stem_tables["1"].weight[unseen]
+        assert torch.allclose(after, before * shrink, rtol=1e-6, atol=0), recipe

@@ -1,7 +1,7 @@
 """What `benchmarks/paper_claims.py` measures on a model while and after it trains: per-step training loss, the loss
 of a fixed monitor batch after every step and its spikes, validation loss (overall and by token position),
-knowledge-probe recall along the way, training FLOPs, and the MoE's expert load. Every model, the MoE included, trains
-with `stem-hf pretrain`'s recipe (`training_arguments`) through `StemTrainer`.
+knowledge-probe recall along the way, training FLOPs, and the MoE's expert load. Every model, the MoEs included, trains
+through `StemTrainer` with `stem-hf pretrain`'s arguments (`training_arguments`) and the settings' recipe.
 """
 
 import time
@@ -168,10 +168,11 @@ class ProbeCallback(TrainerCallback):
 def train_model(
     model: nn.Module, data: torch.utils.data.Dataset, settings: PretrainSettings, out: Path, probes: Probes
 ) -> dict:
-    """Trains `model` on `data` (blocks of `settings.context` tokens, in the order the seed fixes) with the pretrain
-    recipe through `StemTrainer` (tables undecayed at `settings.table_lr`; for a model without tables it is AdamW over
-    the same groups), logging every step; returns the per-step losses (an MoE's include its load-balancing loss) and
-    gradient norms, the monitor curve, the probe points, the sizes and the training FLOPs."""
+    """Trains `model` on `data` (blocks of `settings.context` tokens, in the order the seed fixes) through
+    `StemTrainer` with `settings.recipe` (`stem-hf`: tables undecayed at `settings.table_lr`, for a model without
+    tables AdamW over the same groups; `paper`: the reference AdamW over every parameter), logging every step; returns
+    the per-step losses (an MoE's include its load-balancing loss) and gradient norms, the monitor curve, the probe
+    points, the sizes and the training FLOPs."""
     args = training_arguments(out, settings, eval_strategy="no", logging_steps=1, disable_tqdm=True)
     callback = ProbeCallback(model, probes)
     trainer = StemTrainer(
@@ -181,6 +182,7 @@ def train_model(
         data_collator=causal_batch,
         callbacks=[callback],
         table_lr=settings.table_lr,
+        recipe=settings.recipe,
     )
     trainer.remove_callback(PrinterCallback)  # a log line per step; the caller's progress bar says where it is
     seconds = trainer.train().metrics["train_runtime"]

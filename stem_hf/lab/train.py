@@ -3,7 +3,7 @@
 entity's identity is kept.
 
 Regimes (STEM only; a dense model keeps the identity of a token nowhere but in its embedding):
-- `plain`: the paper's recipe.
+- `plain`: ordinary training, nothing hidden (the paper trains this way).
 - `entity-dropout-P`: each entity token's input id is replaced by `<mask>` with probability P, while its table
   lookups (`stem_input_ids`) keep the true id; the model learns to find the entity in the rows.
 - `shared-embedding`: every entity token's input-embedding row is one shared row without gradient, so the identity
