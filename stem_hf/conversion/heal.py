@@ -144,7 +144,9 @@ def heal(
     """Trains `stem` (in place) to match `dense` on `chunks` (1-D token id tensors, cycled) for `tokens` tokens, one
     chunk per step. `train`: "tables" (tables only), "ffn" (tables plus the STEM layers' gate and down projections) or
     "all" (every weight). Learning rates warm up over `warmup` of the steps, then decay on a cosine to 10%; gradients
-    are clipped to norm 1 for the table rows and the other weights apart (as the paper's code clips its tables).
+    are clipped to norm 1 for the table rows and the other weights apart (our choice for healing: the paper's training
+    script clips every gradient together, as `StemTrainer(recipe="paper")` does; a later version of the reference code
+    clips its tables apart, as here).
     `callback(tokens_seen, a, kl)` is called every `log_every` steps with the blend `a` and the recent mean KL, the
     model in eval mode; it is valid for any input then (at `a == 0` it is the STEM model being healed). `precision`
     "bf16" runs the forwards and the backward under bf16 autocast, "auto" does where the device computes bf16 natively
