@@ -1,12 +1,18 @@
-"""The paper's remaining claims at lab scale: training stability against transformers' Mixtral MoE at three learning
-rates, training ROI (knowledge-probe recall per training FLOP) over three seeds, the ablations of where the table
-sits, and long context (loss by position, activated table parameters against context length).
+"""The paper's remaining claims at lab scale: training stability against MoEs at three learning rates, training ROI
+(knowledge-probe recall per training FLOP) over three seeds, the ablations of where the table sits, and long context
+(loss by position, activated table parameters against context length).
 
-    .venv/bin/python benchmarks/paper_claims.py             # JSON in benchmarks/results/paper_claims.json, PNGs and
-                                                            # the runs' curves in benchmarks/results/paper_claims/;
-                                                            # about 75 min
-    .venv/bin/python benchmarks/paper_claims.py --quick     # the test size, to try it (results in runs/)
-    .venv/bin/python benchmarks/paper_claims.py --markdown  # the tables benchmarks/README.md quotes
+Two protocols (`stem_hf.lab.claims_run`), side by side: `matched` (STEM widened to dense's active parameters, the
+stem-hf recipe, Mixtral's top-2 MoE; every part) and `paper` (every model at dense's shape, so STEM has fewer FLOPs,
+the reference code's recipe, and a hash-routed fine-grained MoE beside Mixtral's; stability and ROI only).
+
+    .venv/bin/python benchmarks/paper_claims.py                     # both: JSON in benchmarks/results/
+                                                                    # paper_claims.json (matched, about 75 min) and
+                                                                    # paper_claims_paper.json (paper, about 40 min),
+                                                                    # PNGs and curves in the folders of those names
+    .venv/bin/python benchmarks/paper_claims.py --protocol paper    # one of them
+    .venv/bin/python benchmarks/paper_claims.py --quick             # the test size, to try it (results in runs/)
+    .venv/bin/python benchmarks/paper_claims.py --markdown          # the tables benchmarks/README.md quotes
 
 Every trained run is kept in runs/paper_claims/runs/ and reused by a later call with the same settings (delete the
 folder to train afresh). `--parts` runs some parts and keeps the saved results of the others; the wall and compute
@@ -19,7 +25,7 @@ from pathlib import Path
 
 from stem_hf.assets import corpora
 from stem_hf.lab.claims_plots import markdown, plot_claims
-from stem_hf.lab.claims_run import QUICK_CLAIMS, ClaimsSettings, run_claims
+from stem_hf.lab.claims_run import PROTOCOLS, QUICK_CLAIMS, ClaimsSettings, paper_protocol, run_claims
 from stem_hf.lab.plots import require_matplotlib
 from stem_hf.lab.run import write_json
 
@@ -54,38 +60,54 @@ def merge(result: dict, curves: dict) -> dict:
     return result
 
 
+def paths(out: Path, protocol: str) -> tuple[Path, Path]:
+    """The saved result and its curves for `protocol` (the matched protocol keeps the original names)."""
+    name = "paper_claims" if protocol == "matched" else f"paper_claims_{protocol}"
+    return out / f"{name}.json", out / name / "curves.json"
+
+
+def run_protocol(protocol: str, args: argparse.Namespace, out: Path) -> None:
+    saved_path, curves_path = paths(out, protocol)
+    if args.replot or args.markdown:
+        saved = json.loads(saved_path.read_text())
+        if args.markdown:
+            print(f"\n{protocol} protocol\n" + markdown(saved))
+        else:
+            plot_claims(merge(saved, json.loads(curves_path.read_text())), curves_path.parent)
+        return
+    settings = QUICK_CLAIMS if args.quick else ClaimsSettings()
+    parts = tuple(args.parts)
+    if protocol == "paper":
+        settings, parts = paper_protocol(settings), ("stability",)
+    work = "runs/paper_claims_quick" if args.quick else "runs/paper_claims"
+    result = compact(run_claims(settings, work, corpora(), parts))
+    if set(parts) != set(PARTS) and protocol == "matched" and saved_path.exists():  # a partial run keeps the rest
+        saved = merge(json.loads(saved_path.read_text()), json.loads(curves_path.read_text()))
+        result = {**saved, **result}
+    result["command"] = f"python benchmarks/paper_claims.py --protocol {protocol}" + (" --quick" if args.quick else "")
+    plot_claims(result, curves_path.parent)
+    result, curves = split(result)
+    write_json(curves, curves_path)
+    write_json(result, saved_path)
+    print(f"\n{protocol} protocol\n" + markdown(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--protocol", choices=(*PROTOCOLS, "both"), default="both")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="of the matched protocol")
     parser.add_argument("--replot", action="store_true", help="redraw the PNGs from the saved JSON")
     parser.add_argument("--markdown", action="store_true", help="print the docs' tables from the saved JSON")
     parser.add_argument(
         "--out", default=None, help="default: benchmarks/results (runs/paper_claims_quick with --quick)"
     )
     args = parser.parse_args()
-    out = args.out or ("runs/paper_claims_quick" if args.quick else "benchmarks/results")
-    saved_path, curves_path = Path(out) / "paper_claims.json", Path(out) / "paper_claims" / "curves.json"
-    if args.replot or args.markdown:
-        saved = json.loads(saved_path.read_text())
-        if args.markdown:
-            print(markdown(saved))
-        else:
-            plot_claims(merge(saved, json.loads(curves_path.read_text())), Path(out) / "paper_claims")
-        return
-    require_matplotlib()
-    settings = QUICK_CLAIMS if args.quick else ClaimsSettings()
-    work = "runs/paper_claims_quick" if args.quick else "runs/paper_claims"
-    result = compact(run_claims(settings, work, corpora(), tuple(args.parts)))
-    if set(args.parts) != set(PARTS) and saved_path.exists():  # a partial run keeps the other parts' results
-        saved = merge(json.loads(saved_path.read_text()), json.loads(curves_path.read_text()))
-        result = {**saved, **result}
-    result["command"] = "python benchmarks/paper_claims.py" + (" --quick" if args.quick else "")
-    plot_claims(result, Path(out) / "paper_claims")
-    result, curves = split(result)
-    write_json(curves, curves_path)
-    write_json(result, saved_path)
-    print(markdown(result))
+    if not (args.replot or args.markdown):
+        require_matplotlib()
+    out = Path(args.out or ("runs/paper_claims_quick" if args.quick else "benchmarks/results"))
+    for protocol in PROTOCOLS if args.protocol == "both" else (args.protocol,):
+        run_protocol(protocol, args, out)
 
 
 if __name__ == "__main__":

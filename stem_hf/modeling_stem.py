@@ -393,13 +393,14 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
     Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
     decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
-    Trainer's groups."""
+    Trainer's groups. A group marked `decay_tables=True` decays them on purpose (the paper's recipe): no warning."""
     tables = getattr(optimizer, "_stem_tables", None)
     if tables is None:
         tables = optimizer._stem_tables = [
             (group, p) for group in optimizer.param_groups for p in group["params"] if getattr(p, "_stem_table", False)
         ]
-        decayed = next((group for group, _ in tables if group.get("weight_decay")), None)
+        decayed = [g for g, _ in tables if g.get("weight_decay") and not g.get("decay_tables")]
+        decayed = decayed[0] if decayed else None
         if decayed is not None:
             logger.warning(
                 f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "

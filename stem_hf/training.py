@@ -300,6 +300,7 @@ def build_optimizer(
             raise ValueError("recipe='paper' trains the tables at the backbone's learning rate: leave table_lr unset")
         params = [p for p in model.parameters() if p.requires_grad]
         group = {"name": "all", "params": params, "lr": args.learning_rate, "weight_decay": args.weight_decay}
+        group["decay_tables"] = True  # on purpose: the model's optimizer check does not warn
         return torch.optim.AdamW([group], betas=betas, eps=args.adam_epsilon)
     row_sparse = row_sparse_tables and not sharded
     groups = param_groups(model, args.learning_rate, args.weight_decay, table_lr, 0.0, row_sparse)

@@ -1,5 +1,6 @@
-"""The paper-claims benchmark's parts at tiny size: the ablation variants and the MoE baseline at matched active
-parameters, the spike rule, the measures, and one end-to-end run of every part with its cache, tables and PNGs."""
+"""The paper-claims benchmark's parts at tiny size: the ablation variants and the MoE baselines (Mixtral's top-2 and the
+hash-routed one) at matched active parameters, the spike rule, the measures, the paper protocol, and end-to-end runs of
+every part with its cache, tables and PNGs."""
 
 import json
 import math
@@ -18,7 +19,15 @@ from stem_hf.lab.claims import (
     train_model,
     training_flops,
 )
-from stem_hf.lab.claims_run import QUICK_CLAIMS, RunCache, diverged, flops_to_reach, roi, run_claims
+from stem_hf.lab.claims_run import (
+    QUICK_CLAIMS,
+    RunCache,
+    diverged,
+    flops_to_reach,
+    paper_protocol,
+    roi,
+    run_claims,
+)
 from stem_hf.lab.train import LabSettings, lab_configs
 from stem_hf.lab.variants import (
     ABLATIONS,
@@ -26,7 +35,9 @@ from stem_hf.lab.variants import (
     StemDownTableMLP,
     StemGateTableMLP,
     active_parameters,
+    build_hash_moe,
     build_variant,
+    hash_routes,
     moe_config,
     variant_config,
 )
@@ -235,3 +246,78 @@ def test_saved_result_keeps_curves_apart():
     for kept in (summary["runs"]["a"], summary["long_context"]["models"]["b"]):
         assert not set(script.CURVES) & set(kept) and kept["intermediate_size"] == 8
     assert script.merge(summary, curves) == result
+
+
+def test_hash_routes_are_fixed_distinct_and_balanced_over_the_vocabulary():
+    routes = hash_routes(1001, num_experts=16, top_k=4, seed=3)
+    assert torch.equal(routes, hash_routes(1001, 16, 4, seed=3)) and not torch.equal(
+        routes, hash_routes(1001, 16, 4, 4)
+    )
+    assert all(len(set(row)) == 4 for row in routes.tolist())  # a token's experts are distinct
+    for j in range(4):  # slot j picks among experts 4j..4j+3, each by 250 or 251 of the 1001 ids
+        counts = torch.bincount(routes[:, j], minlength=16)
+        assert counts[4 * j : 4 * j + 4].tolist() in ([251, 250, 250, 250], [250, 251, 250, 250],
+                                                       [250, 250, 251, 250], [250, 250, 250, 251])  # fmt: skip
+        assert counts.sum() == counts[4 * j : 4 * j + 4].sum()
+    with pytest.raises(ValueError, match="do not split into top_k=3"):
+        hash_routes(10, 16, 3, 0)
+
+
+def test_hash_moe_sums_the_hashed_experts_at_dense_active_parameters(configs):
+    torch.manual_seed(0)
+    model = build_hash_moe(configs["dense"], num_experts=8, top_k=2)
+    dense = StemForCausalLM(configs["dense"])
+    assert active_parameters(model) == active_parameters(dense)
+    assert training_flops(model, 16) == training_flops(dense, 16)
+    assert model.model.stem_tables["0"].weight.numel() == 0  # routes come through the row source, not tables
+    mlp, x = model.model.layers[2].mlp, torch.randn(1, 3, 64)
+    ids = torch.tensor([[5, 77, 5]])
+    w, silu = mlp.width, torch.nn.functional.silu
+
+    def expert(e: int, h: torch.Tensor) -> torch.Tensor:
+        units = slice(e * w, (e + 1) * w)
+        return mlp.down_proj.weight[:, units] @ (
+            silu(mlp.gate_proj.weight[units] @ h) * (mlp.up_proj.weight[units] @ h)
+        )
+
+    by_hand = [sum(expert(e, h) for e in mlp.routes[t].tolist()) for t, h in zip(ids[0].tolist(), x[0], strict=True)]
+    out = mlp(x, ids)
+    assert torch.allclose(out[0], torch.stack(by_hand), atol=1e-6)
+    out.sum().backward()
+    used = set(mlp.routes[ids[0]].flatten().tolist())
+    for e in range(mlp.num_experts):  # an expert no token picked gets no gradient
+        assert bool(mlp.gate_proj.weight.grad[e * w : (e + 1) * w].abs().sum() > 0) == (e in used)
+    logits = model(input_ids=_blocks(2)).logits
+    assert logits.shape == (2, SETTINGS.context, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_paper_protocol_keeps_dense_shape_and_the_reference_recipe():
+    paper = paper_protocol(QUICK_CLAIMS)
+    assert paper.lab.recipe == "paper" and paper.headline[-1] == "hash MoE" and paper.other_lr_seeds == 1
+    with pytest.raises(ValueError, match="protocol 'matched' trains with recipe 'stem-hf', not 'paper'"):
+        replace(QUICK_CLAIMS, lab=replace(QUICK_CLAIMS.lab, recipe="paper"))
+    with pytest.raises(ValueError, match="protocol: 'same' is not one of matched, paper"):
+        replace(QUICK_CLAIMS, protocol="same")
+    with pytest.raises(ValueError, match="stability part"):
+        run_claims(paper, "unused", {}, ("ablations",))
+
+
+@pytest.mark.slow
+def test_paper_protocol_end_to_end(tmp_path):
+    from stem_hf.assets import corpora
+    from stem_hf.lab.claims_plots import markdown, plot_claims
+
+    settings = paper_protocol(replace(QUICK_CLAIMS, lab=replace(QUICK_CLAIMS.lab, steps=4), probe_every=2))
+    texts = {split: pieces[:100] for split, pieces in corpora().items()}
+    result = run_claims(settings, tmp_path, texts)
+    assert set(result) >= {"stability", "roi"} and "ablations" not in result
+    rows = result["stability"]["0.003"]
+    assert list(rows) == ["dense", "STEM-1/2", "STEM-full", "MoE", "hash MoE"]
+    assert "expert_max_over_mean" in rows["hash MoE"] and rows["hash MoE"]["final_recall"]["n"] == 2
+    assert rows["hash MoE"]["active_params_per_token"] == rows["dense"]["active_params_per_token"]
+    assert rows["STEM-full"]["active_params_per_token"] < rows["dense"]["active_params_per_token"]  # same shape
+    assert result["roi"]["STEM-full"]["flops_ratio"]["mean"] < result["roi"]["STEM-1/2"]["flops_ratio"]["mean"] < 1
+    sizes = {r["intermediate_size"] for key, r in result["runs"].items() if not key.startswith(("MoE", "hash"))}
+    assert sizes == {QUICK_CLAIMS.lab.intermediate_size}
+    assert "| 0.03 | hash MoE | 1 |" in markdown(json.loads(json.dumps(result)))
+    assert [p.name for p in plot_claims(result, tmp_path / "png")] == ["stability.png", "roi.png", "expert_load.png"]

@@ -572,10 +572,15 @@ def _paper_args(tmp_path, **overrides) -> TrainingArguments:
     return _args(tmp_path, **{**PAPER_ARGUMENTS, "warmup_steps": 1, **overrides})
 
 
-def test_paper_recipe_is_one_decayed_adamw_group_over_every_parameter(tmp_path):
+def test_paper_recipe_is_one_decayed_adamw_group_over_every_parameter(tmp_path, caplog):
     model = _stem()
-    trainer = StemTrainer(model=model, args=_paper_args(tmp_path), train_dataset=_dataset(), recipe="paper")
-    optimizer = trainer.create_optimizer()
+    trainer = StemTrainer(
+        model=model, args=_paper_args(tmp_path, max_steps=1), train_dataset=_dataset(), recipe="paper"
+    )
+    with caplog.at_level("WARNING"):
+        trainer.train()  # the tables' decay is the recipe's: the model's optimizer check does not warn about it
+    assert "applies weight_decay" not in caplog.text
+    optimizer = trainer.optimizer.optimizer  # accelerate's wrapper around it
     assert type(optimizer) is torch.optim.AdamW and not trainer.sparse_table_grads
     (group,) = optimizer.param_groups
     assert group["weight_decay"] == 0.1 and group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8

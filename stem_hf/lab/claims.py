@@ -5,7 +5,7 @@ through `StemTrainer` with `stem-hf pretrain`'s arguments (`training_arguments`)
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import median
 
@@ -14,11 +14,12 @@ from torch import nn
 from transformers import MixtralForCausalLM, PrinterCallback, TrainerCallback
 
 from ..accounting import flops_per_token
+from ..configuration_stem import StemConfig
 from ..modeling_stem import StemForCausalLM, StemMLP, StemTableMLP
 from ..pretrain import PretrainSettings, training_arguments
 from ..training import StemTrainer
 from .measure import Probe, accuracy
-from .variants import active_parameters
+from .variants import active_parameters, is_hash_moe
 
 # The spike rule, on the loss of a fixed monitor batch after every step (a training batch's loss moves with what the
 # batch holds): above (1 + SPIKE_MARGIN) times the median of the SPIKE_WINDOW steps before it.
@@ -116,11 +117,22 @@ def expert_load(model: MixtralForCausalLM, blocks: torch.Tensor, batch_size: int
 
 
 def training_flops(model: nn.Module, context: int) -> int | None:
-    """Training FLOPs per token (3x the forward's: backward twice the forward) of a STEM or dense `StemForCausalLM`,
-    at the mean context of a causal block of `context` tokens; None for other models."""
+    """Training FLOPs per token (3x the forward's: backward twice the forward) at the mean context of a causal block
+    of `context` tokens, for a STEM or dense `StemForCausalLM` and for the MoEs, whose `top_k` experts do the dense
+    FFN's multiply-adds (the hash MoE has no router; Mixtral's adds `hidden x experts` per layer); None for the
+    ablations, whose FFNs cost what `flops_per_token` does not count."""
+    if isinstance(model, MixtralForCausalLM):
+        c = model.config
+        shape = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers)
+        shape |= dict(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads)
+        dense = StemConfig(**shape, intermediate_size=c.intermediate_size * c.num_experts_per_tok, stem_layers=[])
+        router = 2 * c.hidden_size * c.num_local_experts * c.num_hidden_layers
+        return 3 * (flops_per_token(dense, (context + 1) // 2) + router)
+    if is_hash_moe(model):
+        return 3 * flops_per_token(replace(model.config, stem_layers=[]), (context + 1) // 2)
     plain = (StemMLP, StemTableMLP)
     if not isinstance(model, StemForCausalLM) or any(type(layer.mlp) not in plain for layer in model.model.layers):
-        return None  # the ablations' FFNs cost what `flops_per_token` does not count
+        return None
     return 3 * flops_per_token(model.config, (context + 1) // 2)
 
 

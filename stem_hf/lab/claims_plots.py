@@ -5,7 +5,13 @@ from pathlib import Path
 
 from .plots import pyplot
 
-COLORS = {"dense": "tab:blue", "STEM-1/2": "tab:orange", "STEM-full": "tab:red", "MoE": "tab:green"}
+COLORS = {
+    "dense": "tab:blue",
+    "STEM-1/2": "tab:orange",
+    "STEM-full": "tab:red",
+    "MoE": "tab:green",
+    "hash MoE": "tab:purple",
+}
 
 
 def _f(x: float | None, digits: int = 2) -> str:
@@ -122,8 +128,10 @@ def plot_roi(result: dict, path: Path) -> None:
     lr, seeds = list(result["stability"])[0], result["settings"]["seeds"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     measures = (lambda p: p["recall"], lambda p: p["loss"]["facts"], lambda p: p["loss"]["text"])
-    for name in ("dense", "STEM-1/2", "STEM-full"):
+    for name in result["stability"][lr]:  # every model whose training FLOPs are counted
         runs = [result["runs"][f"{name} lr={lr} seed={s}"] for s in seeds]
+        if runs[0]["train_flops_per_token"] is None:
+            continue
         flops = [p["tokens"] * runs[0]["train_flops_per_token"] for p in runs[0]["probes"]]
         for ax, measure in zip(axes, measures, strict=True):
             values = [[measure(p) for p in r["probes"]] for r in runs]
@@ -202,14 +210,17 @@ def plot_long_context(result: dict, path: Path) -> None:
 def plot_expert_load(result: dict, path: Path) -> None:
     plt = pyplot()
     seed = result["settings"]["seeds"][0]
-    loads = {lr: result["runs"][f"MoE lr={lr} seed={seed}"]["expert_load"]["shares"] for lr in result["stability"]}
-    fig, axes = plt.subplots(1, len(loads), figsize=(3.6 * len(loads), 2.8), squeeze=False)
-    for ax, (lr, shares) in zip(axes[0], loads.items(), strict=True):
-        image = ax.imshow(shares, vmin=0, vmax=max(max(s) for s in shares), cmap="viridis", aspect="auto")
-        ax.set_title(f"MoE expert load, lr {lr}, seed {seed}", fontsize=9)
-        ax.set_xlabel("expert")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax, label="share of routed slots")
+    moes = [name for name in ("MoE", "hash MoE") if name in next(iter(result["stability"].values()))]
+    lrs = list(result["stability"])
+    fig, axes = plt.subplots(len(moes), len(lrs), figsize=(3.6 * len(lrs), 2.8 * len(moes)), squeeze=False)
+    for row, name in zip(axes, moes, strict=True):
+        for ax, lr in zip(row, lrs, strict=True):
+            shares = result["runs"][f"{name} lr={lr} seed={seed}"]["expert_load"]["shares"]
+            image = ax.imshow(shares, vmin=0, vmax=max(max(s) for s in shares), cmap="viridis", aspect="auto")
+            ax.set_title(f"{name} expert load, lr {lr}, seed {seed}", fontsize=9)
+            ax.set_xlabel("expert")
+            ax.set_ylabel("layer")
+            fig.colorbar(image, ax=ax, label="share of routed slots")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,7 +1,13 @@
-"""The paper's remaining claims at lab scale (`benchmarks/paper_claims.py` runs them; docs in benchmarks/README.md):
+"""The paper's remaining claims at lab scale (`benchmarks/paper_claims.py` runs them; docs in benchmarks/README.md),
+under one of two protocols:
 
-- stability: dense, STEM-1/2, STEM-full and transformers' Mixtral MoE at matched active parameters, on the same
-  tokens, at each learning rate of `lrs` (every seed at the first, the lab's; the first seed at the others);
+- `matched`: STEM widens its FFN until its active parameters per token match dense's (equal FLOPs), and every model
+  trains with the `stem-hf` recipe; the ablations and long context run under it only;
+- `paper`: every model has dense's shape (STEM then has fewer FLOPs, as in the paper), trains with the reference
+  code's recipe (`StemTrainer(recipe="paper")`), and the hash-routed fine-grained MoE joins Mixtral's top-2.
+
+- stability: dense, STEM-1/2, STEM-full and the MoEs, on the same tokens, at each learning rate of `lrs` (every seed
+  at the first, the lab's; the first `other_lr_seeds` at the others);
 - training ROI: knowledge-probe recall and validation loss against training FLOPs, STEM against dense, every seed;
 - ablations: the table at the gate, added to the up projection, at the down projection, against STEM (the up);
 - long context: dense and STEM-full trained on real text at a long context; loss by position, activated table
@@ -44,9 +50,11 @@ from .corpus import build_tokenizer, make_world
 from .measure import probes
 from .run import write_json
 from .train import Blocks, LabSettings, lab_configs
-from .variants import build_variant, moe_config, variant_config
+from .variants import build_hash_moe, build_variant, hash_expert_load, is_hash_moe, moe_config, variant_config
 
 HEADLINE = ("dense", "STEM-1/2", "STEM-full", "MoE")
+PAPER_HEADLINE = (*HEADLINE, "hash MoE")
+PROTOCOLS = ("matched", "paper")
 ABLATED = {"table at the gate": "gate", "table added to the up": "added", "table at the down": "down"}
 
 
@@ -66,6 +74,25 @@ class ClaimsSettings:
     long_vocab_size: int = 4096
     long_valid_blocks: int = 32
     long_text_pieces: int | None = None  # registry text pieces per split for the long-context runs (None: all)
+    protocol: str = "matched"
+
+    def __post_init__(self):
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol: {self.protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        recipe = {"matched": "stem-hf", "paper": "paper"}[self.protocol]
+        if self.lab.recipe != recipe:
+            raise ValueError(f"protocol {self.protocol!r} trains with recipe {recipe!r}, not {self.lab.recipe!r}")
+
+    @property
+    def headline(self) -> tuple[str, ...]:
+        return PAPER_HEADLINE if self.protocol == "paper" else HEADLINE
+
+
+def paper_protocol(settings: ClaimsSettings, other_lr_seeds: int = 1) -> ClaimsSettings:
+    """`settings` under the paper's protocol: dense's shape for every model and the reference recipe; one seed at the
+    other learning rates by default (the lab's rate keeps every seed)."""
+    lab = replace(settings.lab, recipe="paper")
+    return replace(settings, lab=lab, protocol="paper", other_lr_seeds=min(other_lr_seeds, len(settings.seeds)))
 
 
 QUICK_CLAIMS = ClaimsSettings(
@@ -111,10 +138,13 @@ class RunCache:
 
 
 def _model(name: str, configs: dict[str, StemConfig], seed: int) -> torch.nn.Module:
-    """A fresh model of `name` (a lab config's name, `MoE` or an ablation) initialized from `seed`."""
+    """A fresh model of `name` (a lab config's name, `MoE`, `hash MoE` or an ablation) initialized from `seed`; the hash
+    MoE's routes are the same for every seed (a fixed hash)."""
     torch.manual_seed(seed)
     if name == "MoE":
         return MixtralForCausalLM(moe_config(configs["dense"]))
+    if name == "hash MoE":
+        return build_hash_moe(configs["dense"], seed=0)
     if name in ABLATED:
         where = ABLATED[name]
         return build_variant(variant_config(configs["STEM-full"], configs["dense"], where), where)
@@ -142,6 +172,9 @@ class LabClaims:
         }
         self.probes = Probes(probes(self.world, self.tokenizer, "person", "train"), valid, settings.probe_every)
         self.configs = lab_configs(lab, len(self.tokenizer))
+        if settings.protocol == "paper":  # dense's shape for every model: STEM saves its up-projections' FLOPs
+            width = self.configs["dense"].intermediate_size
+            self.configs = {k: replace(c, intermediate_size=width) for k, c in self.configs.items()}
         self._data: dict[int, Blocks] = {}
 
     def data(self, seed: int) -> Blocks:
@@ -156,11 +189,14 @@ class LabClaims:
         def train() -> dict:
             model = _model(name, self.configs, seed)
             result = train_model(model, self.data(seed), lab, self.out / "trainer", self.probes)
+            valid = torch.cat(list(self.probes.valid.values()))
             if isinstance(model, MixtralForCausalLM):
-                result["expert_load"] = expert_load(model, torch.cat(list(self.probes.valid.values())))
+                result["expert_load"] = expert_load(model, valid)
+            elif is_hash_moe(model):
+                result["expert_load"] = hash_expert_load(model, valid)
             return result
 
-        key = f"{name} lr={lr:g} seed={seed}"
+        key = f"{name} lr={lr:g} seed={seed}" + (" paper" if self.settings.protocol == "paper" else "")
         depends = {"lab": asdict(lab), "valid_blocks": self.settings.valid_blocks, "every": self.settings.probe_every}
         return with_spikes(self.cache.get(key, depends, train))
 
@@ -210,7 +246,7 @@ def stability(claims: LabClaims, bar: tqdm) -> tuple[dict, dict]:
     for lr in s.lrs:
         seeds = s.seeds if lr == s.lrs[0] else s.seeds[: s.other_lr_seeds]
         table[f"{lr:g}"] = {}
-        for name in HEADLINE:
+        for name in s.headline:
             done = []
             for seed in seeds:
                 bar.set_postfix_str(f"{name} lr={lr:g} seed={seed}")
@@ -317,10 +353,12 @@ def run_claims(
 ) -> dict:
     """Runs the `parts` (default all: stability, which gives the ROI too, ablations, long_context) and returns their
     results."""
-    parts = parts or ("stability", "ablations", "long_context")
+    parts = parts or (("stability",) if settings.protocol == "paper" else ("stability", "ablations", "long_context"))
+    if settings.protocol == "paper" and set(parts) - {"stability"}:
+        raise ValueError(f"the paper protocol runs the stability part (and the ROI) only, not {sorted(parts)}")
     out = Path(out)
     start = time.perf_counter()
-    n_stability = len(HEADLINE) * (len(settings.seeds) + settings.other_lr_seeds * (len(settings.lrs) - 1))
+    n_stability = len(settings.headline) * (len(settings.seeds) + settings.other_lr_seeds * (len(settings.lrs) - 1))
     total = n_stability * bool("stability" in parts)
     total += len(ABLATED) * settings.ablation_seeds * ("ablations" in parts) + 2 * ("long_context" in parts)
     result = {"settings": asdict(settings)}
@@ -345,6 +383,8 @@ def run_claims(
 __all__ = [
     "ABLATED",
     "HEADLINE",
+    "PAPER_HEADLINE",
+    "PROTOCOLS",
     "QUICK_CLAIMS",
     "RUNS_VERSION",
     "ClaimsSettings",
@@ -354,6 +394,7 @@ __all__ = [
     "diverged",
     "flops_to_reach",
     "long_context",
+    "paper_protocol",
     "roi",
     "run_claims",
     "stability",

@@ -8,6 +8,11 @@
   model's own.
 - The MoE baseline: transformers' own `MixtralForCausalLM`, top-k routing with its load-balancing loss, every FFN a
   mixture of experts whose top-k widths add up to the dense FFN's width.
+- The paper's MoE baseline, hash-routed and fine-grained (`build_hash_moe`): every FFN `num_experts` small SwiGLU
+  experts, a token's `top_k` of them fixed by a hash of its id (no router, no balancing loss), their outputs summed;
+  `top_k` experts of width `intermediate_size / top_k` hold as many weights as the dense FFN. The model is a
+  `StemForCausalLM` whose every layer reads per-token data by id: the routes come through the model's row-source
+  interface (`set_row_source`) and its tables are empty, as `StemOffloadEngine(free_tables=True)` leaves them.
 
 Every variant's FFN width is chosen so that its active parameters per token (the paper's convention: embeddings and
 head included, one table row per STEM layer, top-k experts plus the router for the MoE) match the dense model's.
@@ -88,9 +93,104 @@ def build_variant(config: StemConfig, where: str) -> StemForCausalLM:
     return model
 
 
+def hash_routes(vocab_size: int, num_experts: int, top_k: int, seed: int) -> torch.Tensor:
+    """`[vocab_size, top_k]` expert indices, fixed by `seed`: the experts form `top_k` groups, and slot j of a token
+    is the expert of group j that a random hash of its id picks (a seeded permutation of the vocabulary, modulo the
+    group's size). A token's experts are distinct, and each expert is picked by as many vocabulary ids as any other
+    in its slot, within one: balanced over the vocabulary by construction (over text, token frequency decides)."""
+    if num_experts % top_k or top_k < 1:
+        raise ValueError(f"hash MoE: {num_experts} experts do not split into top_k={top_k} equal groups")
+    group = num_experts // top_k
+    generator = torch.Generator().manual_seed(seed)
+    slots = [j * group + torch.randperm(vocab_size, generator=generator) % group for j in range(top_k)]
+    return torch.stack(slots, dim=1)
+
+
+class StemHashMoEMLP(nn.Module):
+    """A hash-routed fine-grained MoE FFN: `num_experts` SwiGLU experts of width `intermediate_size // top_k`, stored
+    side by side (expert e is units `e * width` to `(e + 1) * width` of each projection); each token runs the `top_k`
+    experts `routes[token_id]` names, and their outputs add up. `routes` is a buffer, fixed. The lab computes every
+    expert and masks the others' units to zero (a few large products are faster here than a loop over experts); the
+    FLOPs counted are the `top_k` experts'."""
+
+    def __init__(self, config: StemConfig, num_experts: int, top_k: int, routes: torch.Tensor):
+        super().__init__()
+        if config.intermediate_size % top_k or config.mlp_bias:
+            raise ValueError(f"hash MoE: intermediate_size not divisible by {top_k}, or mlp_bias (not supported)")
+        self.num_experts, self.top_k, self.width = num_experts, top_k, config.intermediate_size // top_k
+        units = num_experts * self.width
+        self.gate_proj = nn.Linear(config.hidden_size, units, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, units, bias=False)
+        self.down_proj = nn.Linear(units, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.register_buffer("routes", routes, persistent=True)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        chosen = torch.zeros(*token_ids.shape, self.num_experts, dtype=x.dtype, device=x.device)
+        chosen.scatter_(-1, self.routes[token_ids], 1.0)
+        mask = chosen.repeat_interleave(self.width, dim=-1)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * mask)
+
+
+class StemTokenIds:
+    """A row source (`StemModel.set_row_source`) that gives every layer the token ids themselves: what a hash-routed
+    FFN reads in place of table rows."""
+
+    def __call__(self, stem_input_ids: torch.LongTensor) -> "StemTokenIds._Ids":
+        return StemTokenIds._Ids(stem_input_ids)
+
+    class _Ids:
+        def __init__(self, ids: torch.LongTensor):
+            self.ids = ids
+
+        def __getitem__(self, layer_idx: int) -> torch.LongTensor:
+            return self.ids
+
+
+def build_hash_moe(dense: StemConfig, num_experts: int = 16, top_k: int = 4, seed: int = 0) -> StemForCausalLM:
+    """The paper's kind of MoE baseline at `dense`'s shape and active parameters: every layer's FFN a
+    `StemHashMoEMLP` (routes hashed per layer from `seed`), freshly initialized the model's way."""
+    config = replace(dense, stem_layers=list(range(dense.num_hidden_layers)))
+    model = StemForCausalLM(config)
+    for idx, layer in enumerate(model.model.layers):
+        routes = hash_routes(config.vocab_size, num_experts, top_k, seed=seed * 1_000 + idx)
+        layer.mlp = StemHashMoEMLP(config, num_experts, top_k, routes)
+        layer.mlp.apply(model._init_weights)
+    for table in model.model.stem_tables.values():  # routes, not rows: no table is read
+        table.weight = nn.Parameter(torch.empty(0, config.intermediate_size), requires_grad=False)
+    model.model.set_row_source(StemTokenIds())
+    return model
+
+
+def is_hash_moe(model: nn.Module) -> bool:
+    return isinstance(model, StemForCausalLM) and all(
+        isinstance(layer.mlp, StemHashMoEMLP) for layer in model.model.layers
+    )
+
+
+def hash_expert_load(model: StemForCausalLM, blocks: torch.Tensor) -> dict:
+    """As `claims.expert_load` for the hash MoE: each expert's share of the routed token slots of `blocks`, per
+    layer; `max_over_mean` the busiest expert's share over a fair one, `idle_experts` those under a tenth of it."""
+    shares, ids = [], blocks.flatten()
+    for layer in model.model.layers:
+        counts = torch.bincount(layer.mlp.routes.cpu()[ids].flatten(), minlength=layer.mlp.num_experts).float()
+        shares.append(counts / counts.sum())
+    shares = torch.stack(shares)
+    mean = 1 / shares.shape[1]
+    return {
+        "shares": shares.tolist(),
+        "max_over_mean": (shares.max(-1).values / mean).tolist(),
+        "idle_experts": (shares < 0.1 * mean).sum(-1).tolist(),
+    }
+
+
 def active_parameters(model: nn.Module) -> int:
-    """Active parameters per token of a STEM model, an ablation variant, or a Mixtral MoE (all but the experts a token
-    is not routed to)."""
+    """Active parameters per token of a STEM model, an ablation variant, a Mixtral MoE (all but the experts a token
+    is not routed to), or the hash MoE (likewise)."""
+    if is_hash_moe(model):
+        mlps = [layer.mlp for layer in model.model.layers]
+        experts = sum(p.numel() for mlp in mlps for p in mlp.parameters())
+        return model.num_parameters() - experts * (mlps[0].num_experts - mlps[0].top_k) // mlps[0].num_experts
     if isinstance(model, MixtralForCausalLM):
         config = model.config
         idle = config.num_local_experts - config.num_experts_per_tok
@@ -146,8 +246,14 @@ __all__ = [
     "StemAddedTableMLP",
     "StemDownTableMLP",
     "StemGateTableMLP",
+    "StemHashMoEMLP",
+    "StemTokenIds",
     "active_parameters",
+    "build_hash_moe",
     "build_variant",
+    "hash_expert_load",
+    "hash_routes",
+    "is_hash_moe",
     "moe_config",
     "variant_config",
 ]
