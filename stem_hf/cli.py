@@ -119,7 +119,13 @@ def _add_pretrain_parser(commands) -> None:
     pretrain.add_argument("--batch-size", type=positive_int, default=16)
     pretrain.add_argument("--steps", type=positive_int, default=400)
     pretrain.add_argument("--lr", type=positive_float, default=3e-3)
-    pretrain.add_argument("--table-lr", type=positive_float, help="default: --lr")
+    pretrain.add_argument("--table-lr", type=positive_float, help="default: --lr (the stem-hf recipe only)")
+    pretrain.add_argument(
+        "--recipe",
+        choices=("stem-hf", "paper"),
+        default="stem-hf",
+        help="stem-hf (row-sparse tables, undecayed) or paper (the reference code's AdamW); see docs/training.md",
+    )
     pretrain.add_argument("--eval-every", type=positive_int, default=50)
 
 
@@ -195,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             steps=args.steps,
             lr=args.lr,
             table_lr=args.table_lr,
+            recipe=args.recipe,
             eval_every=args.eval_every,
         )
         result = pretrain(read_texts(args.corpus), args.out, settings)

@@ -84,3 +84,21 @@ def test_stem_hf_pretrain_trains_both_models_on_the_same_tokens(tmp_path, capsys
     assert result["tokens_trained"] == 30 * 8 * 32
     assert (out / "curves.png").stat().st_size > 10_000
     assert (out / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_the_paper_recipe_sets_the_reference_arguments_and_refuses_a_table_rate(tmp_path):
+    from stem_hf.pretrain import training_arguments
+    from stem_hf.training import PAPER_ARGUMENTS, check_paper_arguments
+
+    args = training_arguments(tmp_path, PretrainSettings(recipe="paper"))
+    check_paper_arguments(args)  # raises where a field differs
+    assert args.adam_beta2 == 0.95 and args.lr_scheduler_kwargs == PAPER_ARGUMENTS["lr_scheduler_kwargs"]
+    with pytest.raises(ValueError, match="adam_beta2=0.95"):
+        check_paper_arguments(training_arguments(tmp_path, PretrainSettings()))
+    with pytest.raises(ValueError, match="recipe: 'lingua' is not one of stem-hf, paper"):
+        PretrainSettings(recipe="lingua")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(_corpus(10))
+    with pytest.raises(ValueError, match="leave table_lr unset"):  # before any tokenizer or model is trained
+        main(["pretrain", str(corpus), "--out", str(tmp_path / "run"), "--recipe", "paper", "--table-lr", "0.01"])
+    assert not (tmp_path / "run").exists()
