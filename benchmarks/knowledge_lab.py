@@ -51,7 +51,7 @@ def markdown(result: dict) -> str:
     for name, r in runs.items():
         lines.append(_row(name, *(_f(r["edits"]["methods"][k]["efficacy"]) if k in r["edits"]["methods"] else ""
                                   for k in unequal)))  # fmt: skip
-    countries = ("tables/pad", "embedding/pad", "both/pad", "text")
+    countries = list(runs["STEM-full"]["country_edits"]["methods"])  # `.../pad` in results saved before `clone`
     lines += _table("model", *countries)
     for name, r in runs.items():
         m = r["country_edits"]["methods"]

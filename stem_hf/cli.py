@@ -136,7 +136,13 @@ def _add_edit_parser(commands) -> None:
     edit.add_argument("--source", type=utf8_text, required=True, help='text whose lookups change, e.g. " France"')
     edit.add_argument("--target", type=utf8_text, required=True, help='text whose rows they take, e.g. " Germany"')
     edit.add_argument("--prompt", type=utf8_text, required=True)
-    edit.add_argument("--strategy", default="pad", choices=["pad", "subset", "mean"])
+    edit.add_argument(
+        "--strategy",
+        default="clone",
+        choices=["clone", "filler", "subset", "mean", "pad"],
+        help="for source and target of different lengths: repeat the target's tokens (clone), fill with the pad token "
+        "(filler), spread over the target (subset), or its mean row (mean); pad: the old name of clone",
+    )
     edit.add_argument("-n", "--max-new-tokens", type=positive_int, default=16)
 
 

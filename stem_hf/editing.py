@@ -1,8 +1,11 @@
 """Knowledge editing by table rows: wherever the source's tokens occur in the input, the STEM lookups use the target's
 rows while the text stays as it is. No weight changes and no extra compute, unless the edit is persisted.
 
-Length mismatches between source (n tokens) and target (m tokens):
-- `pad`: the target's tokens in order, repeated cyclically when m < n, cut to n when m > n;
+Length mismatches between source (n tokens) and target (m tokens); `clone` and `filler` are the paper's names:
+- `clone`: the target's tokens in order, repeated cyclically when m < n, cut to its first n when m > n (`pad` is its
+  old name);
+- `filler`: the target's tokens in order, then a filler token (`StemEdit.filler`: the tokenizer's pad, else eos, else
+  bos) for the source positions past m; cut to its first n when m > n;
 - `subset`: n target tokens chosen evenly across the target (its first and last kept when n >= 2);
 - `mean`: every source position gets the mean of the target's rows (a row override, not an id swap).
 
@@ -11,6 +14,7 @@ source while active), or persisted into the tables (`persist_edit`, then `save_p
 A persisted edit also reaches the rows an attached offload engine serves from its own copy of the tables.
 """
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
@@ -21,7 +25,8 @@ from torch import nn
 
 from .checkpoint_stem import FREED_TABLES, unsaved_id
 
-STRATEGIES = ("pad", "subset", "mean")
+STRATEGIES = ("clone", "filler", "subset", "mean")
+RENAMED_STRATEGIES = {"pad": "clone"}  # old name: current name
 
 
 @runtime_checkable
@@ -52,29 +57,54 @@ def table_copies(model: nn.Module) -> list[StemTableCopy]:
     return copies
 
 
+def filler_id(tokenizer) -> int:
+    """The token the `filler` strategy fills with: the tokenizer's pad token, else its eos, else its bos."""
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            return getattr(tokenizer, name)
+    raise ValueError("edit: strategy 'filler' needs a filler token, and this tokenizer has no pad, eos or bos token")
+
+
 @dataclass(frozen=True)
 class StemEdit:
-    """Token ids of one edit: `source` is looked for in the input, `target` supplies the rows."""
+    """Token ids of one edit: `source` is looked for in the input, `target` supplies the rows; `filler` is the token
+    the `filler` strategy gives source positions past the target's length."""
 
     source: tuple[int, ...]
     target: tuple[int, ...]
-    strategy: str = "pad"
+    strategy: str = "clone"
+    filler: int | None = None
 
     def __post_init__(self):
+        if self.strategy in RENAMED_STRATEGIES:
+            new = RENAMED_STRATEGIES[self.strategy]
+            warnings.warn(
+                f"strategy {self.strategy!r} is now called {new!r} (the paper's name for repeating the target's "
+                "tokens); the paper's padding with a filler token is 'filler'",
+                FutureWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "strategy", new)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if not self.source or not self.target:
             raise ValueError(f"edit: the {'source' if not self.source else 'target'} holds no tokens")
+        if self.strategy == "filler" and self.filler is None:
+            raise ValueError(
+                "edit: strategy 'filler' needs the filler token's id (StemEdit(..., filler=ID); StemEdit.from_text "
+                "takes the tokenizer's pad, eos or bos token)"
+            )
 
     @classmethod
-    def from_text(cls, tokenizer, source: str, target: str, strategy: str = "pad") -> "StemEdit":
+    def from_text(cls, tokenizer, source: str, target: str, strategy: str = "clone") -> "StemEdit":
         """Tokenizes both without special tokens. A leading space is part of a word's token in most BPE vocabularies:
-        pass " Paris", as it appears mid-sentence, not "Paris"."""
+        pass " Paris", as it appears mid-sentence, not "Paris". The `filler` strategy fills with `filler_id`."""
         for name, text in (("source", source), ("target", target)):
             if not text.strip():
                 raise ValueError(f"edit: the {name} string {text!r} is empty")
         encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        edit = cls(encode(source), encode(target), strategy)
+        filler = filler_id(tokenizer) if strategy == "filler" else None
+        edit = cls(encode(source), encode(target), strategy, filler)
         unk = getattr(tokenizer, "unk_token_id", None)
         for name, text, ids in (("source", source, edit.source), ("target", target, edit.target)):
             if unk is not None and unk in ids:
@@ -85,10 +115,12 @@ class StemEdit:
         return edit
 
     def mapped_target(self) -> tuple[int, ...]:
-        """The target token each source position looks up (`pad` and `subset`)."""
+        """The target token each source position looks up (`clone`, `filler` and `subset`)."""
         n, m = len(self.source), len(self.target)
-        if self.strategy == "pad":
+        if self.strategy == "clone":
             return tuple(self.target[i % m] for i in range(n))
+        if self.strategy == "filler":
+            return tuple(self.target[i] if i < m else self.filler for i in range(n))
         if self.strategy == "subset":
             if n == 1:
                 return (self.target[0],)
@@ -107,8 +139,8 @@ def find_occurrences(ids: torch.Tensor, pattern: Sequence[int]) -> list[tuple[in
 
 
 def edited_ids(input_ids: torch.Tensor, edits: Sequence[StemEdit], require: bool = True) -> torch.Tensor:
-    """`stem_input_ids` for `pad` and `subset` edits: `input_ids` with each source occurrence's lookups pointed at the
-    target's tokens. Raises if an edit's source never occurs (unless `require=False`)."""
+    """`stem_input_ids` for `clone`, `filler` and `subset` edits: `input_ids` with each source occurrence's lookups
+    pointed at the target's tokens. Raises if an edit's source never occurs (unless `require=False`)."""
     found = [find_occurrences(input_ids, edit.source) for edit in edits]
     if require:
         _require_occurrences(edits, found)
@@ -122,7 +154,7 @@ def _require_occurrences(edits: Sequence[StemEdit], found: list[list[tuple[int, 
 
 
 def _point_ids(input_ids: torch.Tensor, edits: Sequence[StemEdit], found: list) -> torch.Tensor:
-    """`input_ids` with the lookups of each `pad`/`subset` edit's occurrences (`found`) pointed at its target."""
+    """`input_ids` with the lookups of each id-mapping edit's occurrences (`found`) pointed at its target."""
     out = input_ids.clone()
     for edit, hits in zip(edits, found, strict=True):
         if edit.strategy == "mean":
@@ -139,7 +171,8 @@ def check_edits(model: nn.Module, edits: Sequence[StemEdit]) -> None:
         raise ValueError("edit: this model has no STEM layers, so no table rows to edit")
     vocab = model.config.vocab_size
     for edit in edits:
-        bad = [i for i in (*edit.source, *edit.target) if not 0 <= i < vocab]
+        filler = (edit.filler,) if edit.strategy == "filler" else ()
+        bad = [i for i in (*edit.source, *edit.target, *filler) if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"edit: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
@@ -221,11 +254,11 @@ class StemEditor:
 
 @torch.no_grad()
 def persist_edit(model: nn.Module, edit: StemEdit) -> None:
-    """Writes the edit into the tables: each source token's row becomes its target row (`pad`, `subset`) or the mean
-    of the target's rows (`mean`), in every STEM layer, for every context the token appears in. Save with
-    `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file. An attached offload
-    engine serves the edited rows too (built in memory: one on a mapped store file refuses, before anything changes);
-    tables it freed are edited in its copy, and come back edited when it detaches."""
+    """Writes the edit into the tables: each source token's row becomes its mapped target's row (`clone`, `filler`,
+    `subset`) or the mean of the target's rows (`mean`), in every STEM layer, for every context the token appears in.
+    Save with `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file. An
+    attached offload engine serves the edited rows too (built in memory: one on a mapped store file refuses, before
+    anything changes); tables it freed are edited in its copy, and come back edited when it detaches."""
     check_edits(model, [edit])
     if edit.strategy != "mean":  # mean gives every source token the same row: repeats agree
         wanted: dict[int, int] = {}
@@ -255,7 +288,7 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
 
 def edited_rows(read: Callable[[list[int]], torch.Tensor], edit: StemEdit) -> torch.Tensor:
     """The float32 rows an edit gives its source tokens, from `read(ids)`, the current rows of `ids`: the mapped
-    target's rows (`pad`, `subset`) or their mean (`mean`)."""
+    target's rows (`clone`, `filler`, `subset`) or their mean (`mean`)."""
     if edit.strategy == "mean":
         return read(list(edit.target)).float().mean(dim=0, keepdim=True).expand(len(edit.source), -1)
     return read(list(edit.mapped_target())).float()
@@ -264,7 +297,8 @@ def edited_rows(read: Callable[[list[int]], torch.Tensor], edit: StemEdit) -> to
 @torch.no_grad()
 def write_edited_rows(weight: torch.Tensor, edit: StemEdit) -> None:
     """Writes into the `[vocab, width]` matrix `weight` the rows an edit gives its source tokens: the mapped target's
-    rows (`pad`, `subset`) or their mean (`mean`). Any per-token matrix: a table, or an embedding for comparison."""
+    rows (`clone`, `filler`, `subset`) or their mean (`mean`). Any per-token matrix: a table, or an embedding for
+    comparison."""
     weight[list(edit.source)] = edited_rows(lambda ids: weight[ids], edit).to(weight.dtype).clone()
 
 
@@ -293,13 +327,14 @@ def persisted(model: nn.Module, edit: StemEdit) -> Iterator[None]:
 
 
 @contextmanager
-def edited(model: nn.Module, tokenizer, source: str, target: str, strategy: str = "pad") -> Iterator[StemEditor]:
+def edited(model: nn.Module, tokenizer, source: str, target: str, strategy: str = "clone") -> Iterator[StemEditor]:
     """`with edited(model, tokenizer, " France", " Germany"): ...`: one text edit as a reversible context."""
     with StemEditor(model, [StemEdit.from_text(tokenizer, source, target, strategy)]) as editor:
         yield editor
 
 
 __all__ = [
+    "RENAMED_STRATEGIES",
     "STRATEGIES",
     "StemEdit",
     "StemEditor",
@@ -308,6 +343,7 @@ __all__ = [
     "edited",
     "edited_ids",
     "edited_rows",
+    "filler_id",
     "find_occurrences",
     "persist_edit",
     "persisted",

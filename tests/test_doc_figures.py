@@ -268,3 +268,21 @@ def test_figures_equal_their_json(block):
         if not matches(f, sorted_values)
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_edit_strategies_tables_hold_each_value_in_its_place():
+    """The knowledge lab's tables of edit strategies and injection, rebuilt row by row from their JSON as
+    `benchmarks/edit_strategies.py --markdown` prints them: each figure at its place, not only somewhere in the file."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "edit_strategies.json").read_text())
+    doc = (ROOT / "docs" / "knowledge_lab.md").read_text()
+    f = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+    rows = []
+    for group, e in result["edits"].items():
+        for method, m in e["methods"].items():
+            keys = ("efficacy", "generalization", "divergence_closed", "locality", "locality_shared_name_token")
+            rows.append([f"{group.replace('_', ' ')} ({e['pairs']})", method, *(f(m[k]) for k in keys)])
+    for key, r in result["injection"].items():
+        keys = ("recall_train", "recall_heldout", "before_train", "own_kept", "others_kept", "sharers_kept")
+        rows.append([*key.replace("_", " ").split("/"), str(r["people"]), *(f(r[k]) for k in keys)])
+    missing = [line for line in ("| " + " | ".join(row) + " |" for row in rows) if line not in doc]
+    assert not missing, "\n".join(["rows of the JSON not in docs/knowledge_lab.md:", *missing])

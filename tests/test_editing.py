@@ -23,16 +23,19 @@ def test_occurrences_are_found_in_every_row():
 @pytest.mark.parametrize(
     ("target", "strategy", "expected"),
     [
-        ((20, 21), "pad", (20, 21)),  # equal lengths: position by position, every strategy
+        ((20, 21), "clone", (20, 21)),  # equal lengths: position by position, every strategy
+        ((20, 21), "filler", (20, 21)),
         ((20, 21), "subset", (20, 21)),
-        ((20,), "pad", (20, 20)),  # shorter target: repeated
+        ((20,), "clone", (20, 20)),  # shorter target: repeated
+        ((20,), "filler", (20, 0)),  # shorter target: then the filler token
         ((20,), "subset", (20, 20)),
-        ((20, 21, 22), "pad", (20, 21)),  # longer target: cut
+        ((20, 21, 22), "clone", (20, 21)),  # longer target: cut
+        ((20, 21, 22), "filler", (20, 21)),
         ((20, 21, 22), "subset", (20, 22)),  # longer target: first and last
     ],
 )
-def test_pad_and_subset_point_each_source_position_at_a_target_token(target, strategy, expected):
-    edit = StemEdit((5, 6), target, strategy)
+def test_id_strategies_point_each_source_position_at_a_target_token(target, strategy, expected):
+    edit = StemEdit((5, 6), target, strategy, filler=0)
     assert edit.mapped_target() == expected
     out = edited_ids(IDS, [edit])
     assert out[0, :2].tolist() == list(expected) and out[0, 4:6].tolist() == list(expected)
@@ -67,7 +70,7 @@ def test_an_edit_changes_logits_and_leaving_it_restores_them_exactly():
     model = sensitive_model(table_dtype="float32")
     with torch.no_grad():
         before = model(IDS).logits
-        with StemEditor(model, [StemEdit((5, 6), (30, 31), "pad")]):
+        with StemEditor(model, [StemEdit((5, 6), (30, 31), "clone")]):
             during = model(IDS).logits
             via_ids = model(IDS, stem_input_ids=edited_ids(IDS, [StemEdit((5, 6), (30, 31))])).logits
         after = model(IDS).logits
@@ -81,7 +84,7 @@ def test_an_edit_works_inside_generate():
     model = sensitive_model(table_dtype="float32")
     prompt = IDS[:1]
     plain = model.generate(prompt, max_new_tokens=5, do_sample=False)
-    with StemEditor(model, [StemEdit((5, 6), (40, 41), "pad")]):
+    with StemEditor(model, [StemEdit((5, 6), (40, 41), "clone")]):
         changed = model.generate(prompt, max_new_tokens=5, do_sample=False)
     by_ids = model.generate(prompt, stem_input_ids=edited_ids(prompt, [StemEdit((5, 6), (40, 41))]), max_new_tokens=5)
     assert torch.equal(changed, by_ids) and not torch.equal(changed, plain)
@@ -146,7 +149,7 @@ def test_text_edits_and_the_cli_print_answers_before_and_after(tmp_path, capsys)
         tokenizer("cat", add_special_tokens=False).input_ids,
         tokenizer("dog", add_special_tokens=False).input_ids,
     )
-    assert f"(tokens {source} -> {target})" in out and "before:" in out and "after (pad):" in out
+    assert f"(tokens {source} -> {target})" in out and "before:" in out and "after (clone):" in out
 
 
 def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():
@@ -156,7 +159,7 @@ def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():
     model = sensitive_model(vocab_size=259, max_position_embeddings=128)
     before = {k: t.weight.detach().clone() for k, t in model.model.stem_tables.items()}
     result = evaluate_edits(model, byte_tokenizer(), pairs=CAPITALS[:4], locality_prompts=2, new_tokens=2)
-    assert set(result["strategies"]) == {"pad", "subset", "mean"}
+    assert set(result["strategies"]) == {"clone", "filler", "subset", "mean"}
     for stats in result["strategies"].values():
         assert 0 <= stats["efficacy"] <= 1 and 0 <= stats["locality_persisted"] <= 1
         assert 0 <= stats["efficacy_score"] <= 1 and isinstance(stats["mean_logprob_gap_shift"], float)
@@ -170,7 +173,7 @@ def test_an_editor_over_an_offload_engine_edits_the_rows_the_engine_serves():
 
     model = sensitive_model()
     ids = torch.tensor([[5, 6, 7, 8, 6, 7]])
-    edit = StemEdit(source=(6, 7), target=(9, 10), strategy="pad")
+    edit = StemEdit(source=(6, 7), target=(9, 10), strategy="clone")
     with torch.no_grad(), StemEditor(model, [edit]):
         alone = model(ids).logits
     with torch.no_grad(), StemOffloadEngine(model) as engine, StemEditor(model, [edit]):
@@ -183,7 +186,7 @@ def test_row_sources_leave_in_the_order_they_came_and_an_editor_enters_once():
     from stem_hf.offload import StemOffloadEngine
 
     model = sensitive_model()
-    edit = StemEdit(source=(6, 7), target=(9, 10), strategy="pad")
+    edit = StemEdit(source=(6, 7), target=(9, 10), strategy="clone")
     editor, engine = StemEditor(model, [edit]), StemOffloadEngine(model)
     with editor:
         with pytest.raises(RuntimeError, match="attach the engine first"):
@@ -228,7 +231,7 @@ def _reference(edit: StemEdit | None, int8: bool) -> tuple[torch.Tensor, torch.T
         return plain(IDS).logits, plain(IDS[:1, :4]).logits
 
 
-@pytest.mark.parametrize("edit", EDITS, ids=["pad", "mean"])
+@pytest.mark.parametrize("edit", EDITS, ids=["clone", "mean"])
 @pytest.mark.parametrize("kwargs", ENGINES, ids=["plain", "cache", "int8", "freed"])
 def test_a_persisted_edit_reaches_the_rows_an_attached_engine_serves(kwargs, edit):
     from stem_hf.offload import StemOffloadEngine
@@ -347,3 +350,179 @@ def test_an_edit_of_an_unknown_word_or_of_one_token_twice_is_refused():
         persist_edit(model, StemEdit((10, 10), (11, 12)))
     assert torch.equal(model.model.stem_tables["1"].weight, before)  # refused before any write
     persist_edit(model, StemEdit((10, 10), (11, 12), "mean"))  # one row for both: no conflict
+
+
+# The paper's strategies for unequal lengths, by the reference code's names: clone (its `copy`) and filler (its
+# `right_pad`); `pad` is the old name of clone.
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "clone", "filler"),
+    [
+        ((5, 6, 7), (20,), (20, 20, 20), (20, 0, 0)),  # n > m
+        ((5, 6, 7), (20, 21), (20, 21, 20), (20, 21, 0)),
+        ((5,), (20, 21, 22), (20,), (20,)),  # n < m: both keep the first n
+        ((5, 6), (20, 21, 22), (20, 21), (20, 21)),
+    ],
+)
+def test_clone_repeats_the_target_and_filler_fills_with_the_filler_token(source, target, clone, filler):
+    ids = torch.tensor([[1, *source, 9, *source]])
+    for strategy, expected in (("clone", clone), ("filler", filler)):
+        out = edited_ids(ids, [StemEdit(source, target, strategy, filler=0)])
+        assert out[0].tolist() == [1, *expected, 9, *expected], strategy
+
+
+def test_pad_is_the_old_name_of_clone_and_warns():
+    with pytest.warns(FutureWarning, match=r"'pad' is now called 'clone'.*filler token is 'filler'"):
+        old = StemEdit((5, 6, 7), (20, 21), "pad")
+    assert old == StemEdit((5, 6, 7), (20, 21), "clone") and old.mapped_target() == (20, 21, 20)
+    with pytest.warns(FutureWarning, match="'clone'"):
+        assert StemEdit.from_text(byte_tokenizer(), "cat", "do", "pad").strategy == "clone"
+
+
+def test_filler_needs_a_filler_token_in_the_vocabulary():
+    with pytest.raises(ValueError, match=r"strategy 'filler' needs the filler token's id \(StemEdit\(\.\.\., filler="):
+        StemEdit((5, 6), (7,), "filler")
+    with pytest.raises(ValueError, match="token id 500 is outside the vocabulary"):
+        StemEditor(sensitive_model(), [StemEdit((5, 6), (7,), "filler", filler=500)])
+    with pytest.raises(ValueError, match=r"strategy: 'swap' is not one of clone, filler, subset, mean"):
+        StemEdit((1,), (2,), "swap")
+
+
+class SpecialTokens(WordTokenizer):
+    pad_token_id = eos_token_id = bos_token_id = None
+
+
+@pytest.mark.parametrize(
+    ("pad", "eos", "bos", "expected"), [(4, 5, 6, 4), (None, 5, 6, 5), (None, None, 6, 6), (0, None, None, 0)]
+)
+def test_from_text_fills_with_the_pad_token_else_eos_else_bos(pad, eos, bos, expected):
+    tokenizer = SpecialTokens()
+    tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id = pad, eos, bos
+    edit = StemEdit.from_text(tokenizer, " France", " Germany Paris", "filler")
+    assert edit.filler == expected and edit.mapped_target() == (11,)
+    assert StemEdit.from_text(tokenizer, " France Paris", " Germany", "filler").mapped_target() == (11, expected)
+    byte = byte_tokenizer()  # a real tokenizer, whose pad token is id 0
+    do = tuple(byte("do", add_special_tokens=False).input_ids)
+    assert StemEdit.from_text(byte, "cat", "do", "filler").mapped_target() == (*do, 0)
+
+
+def test_from_text_names_a_tokenizer_with_no_filler_token():
+    with pytest.raises(ValueError, match="no pad, eos or bos token"):
+        StemEdit.from_text(SpecialTokens(), " France Paris", " Germany", "filler")
+    assert StemEdit.from_text(SpecialTokens(), " France", " Germany").filler is None  # other strategies need none
+
+
+def test_filler_gives_the_same_logits_per_call_in_an_editor_persisted_and_in_the_lab():
+    from stem_hf.lab.measure import swapped_rows
+
+    model = sensitive_model(table_dtype="float32")
+    edit = StemEdit((5, 6), (30,), "filler", filler=0)  # 5 and 6 occur in IDS only together
+    with torch.no_grad():
+        before = model(IDS).logits
+        per_call = model(IDS, stem_input_ids=edited_ids(IDS, [edit])).logits
+        with StemEditor(model, [edit]):
+            in_editor = model(IDS).logits
+        with persisted(model, edit):
+            in_tables = model(IDS).logits
+        with swapped_rows(model, edit, "tables"):
+            in_lab = model(IDS).logits
+        by_hand = model(IDS, stem_input_ids=torch.where(IDS == 5, 30, torch.where(IDS == 6, 0, IDS))).logits
+    assert not torch.allclose(per_call, before)
+    for logits in (in_editor, in_tables, in_lab):
+        torch.testing.assert_close(logits, per_call, rtol=0, atol=0)
+    torch.testing.assert_close(by_hand, per_call, rtol=0, atol=0)
+
+
+def test_the_cli_edits_with_the_filler_strategy(tmp_path, capsys):
+    model = sensitive_model(vocab_size=259, max_position_embeddings=128)
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    model.save_pretrained(tmp_path / "m")
+    main(["edit", str(tmp_path / "m"), "--source", "cat", "--target", "do", "--prompt", "the cat", "-n", "2",
+          "--strategy", "filler"])  # fmt: skip
+    assert "after (filler):" in capsys.readouterr().out
+
+
+# Knowledge injection: a new fact trained into one token's rows
+
+
+FACT = ["Q is a zebra.", "My Q is a zebra!", "A zebra, Q is."]
+
+
+def _fact_model_and_token(table_dtype: str = "bfloat16"):
+    model = sensitive_model(vocab_size=259, max_position_embeddings=128, std=0.3, table_dtype=table_dtype)
+    tokenizer = byte_tokenizer()
+    (token,) = tokenizer("Q", add_special_tokens=False).input_ids
+    return model, tokenizer, token
+
+
+def _fact_loss(model, tokenizer) -> float:
+    ids = tokenizer(FACT[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(ids, labels=ids).loss.item()
+
+
+def test_an_injected_fact_changes_only_its_tokens_rows_and_lowers_its_loss():
+    from stem_hf.injection import inject_fact
+
+    model, tokenizer, token = _fact_model_and_token()
+    model.train()
+    model.model.embed_tokens.weight.requires_grad_(False)  # flags as the caller left them
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss_before = _fact_loss(model, tokenizer)
+    injection = inject_fact(model, tokenizer, FACT, token, steps=30, lr=3e-2)
+    assert model.training and not model.model.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if "embed_tokens" not in n)
+    assert all(p.grad is None for p in model.parameters())
+    after = model.state_dict()
+    for name, weight in before.items():
+        if "stem_tables" in name:
+            others = torch.ones(weight.shape[0], dtype=torch.bool)
+            others[token] = False
+            assert torch.equal(after[name][others], weight[others]), name
+            assert not torch.equal(after[name][token], weight[token]), name
+        else:
+            assert torch.equal(after[name], weight), name
+    assert injection.losses[-1] < injection.losses[0]
+    model.eval()
+    assert _fact_loss(model, tokenizer) < loss_before
+
+
+@pytest.mark.parametrize("table_dtype", ["float32", "bfloat16"])
+def test_an_injection_is_undone_exactly_and_persists_through_save(tmp_path, table_dtype):
+    from stem_hf.injection import inject_fact, injected
+
+    model, tokenizer, token = _fact_model_and_token(table_dtype)
+    model.stem_save_id = "loaded-id"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with injected(model, tokenizer, FACT, token, steps=5) as injection:
+        assert model.stem_save_id != "loaded-id" and len(injection.losses) == 6
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.stem_save_id == "loaded-id"
+    injection = inject_fact(model, tokenizer, FACT, token, steps=5)
+    rows = model.model.stem_tables["1"].weight[token].clone()
+    model.save_pretrained(tmp_path / "injected")
+    reloaded = StemForCausalLM.from_pretrained(tmp_path / "injected")
+    assert torch.equal(reloaded.model.stem_tables["1"].weight[token], rows)
+    injection.undo()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(RuntimeError, match="already undone"):
+        injection.undo()
+
+
+def test_bad_injections_are_clear_errors_before_any_work():
+    from stem_hf.injection import inject_fact
+
+    model, tokenizer, token = _fact_model_and_token()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"token 259 is not a token id in the vocabulary \[0, 259\)"):
+        inject_fact(model, tokenizer, FACT, 259)
+    with pytest.raises(ValueError, match="texts must be a non-empty list"):
+        inject_fact(model, tokenizer, [], token)
+    with pytest.raises(ValueError, match=r"the text 'no such letter' never contains token"):
+        inject_fact(model, tokenizer, [*FACT, "no such letter"], token)
+    with pytest.raises(ValueError, match="no STEM layers"):
+        inject_fact(tiny_model(stem_layers=[]), tokenizer, FACT, token)
+    with StemEditor(model, [StemEdit((5,), (6,))], require=False), pytest.raises(ValueError, match="row source"):
+        inject_fact(model, tokenizer, FACT, token)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stem_hf.edit_eval import divergence_closed, named
-from stem_hf.editing import StemEdit
+from stem_hf.editing import STRATEGIES, StemEdit
 from stem_hf.lab.corpus import COUNTRY_TEMPLATES, PERSON_TEMPLATES, LabWorld, build_tokenizer, documents, make_world
 from stem_hf.lab.measure import edit_pairs, evaluate_edits, known_people, localization, recall, swapped_rows
 from stem_hf.lab.train import (
@@ -84,14 +84,14 @@ def test_unequal_name_lengths_run_under_each_strategy(plain):
     lengths = [len(p["name"].split()) for p in world.people]
     a, b = lengths.index(1), lengths.index(3)
     result = evaluate_edits(model, world, tokenizer, [(a, b), (b, a)], locality_people=4)
-    keys = {f"{m}/{s}" for m in ("tables", "embedding", "both") for s in ("pad", "subset", "mean")} | {"text"}
+    keys = {f"{m}/{s}" for m in ("tables", "embedding", "both") for s in STRATEGIES} | {"text"}
     assert set(result["methods"]) == keys
     for key, measures in result["methods"].items():
         assert 0.0 <= measures["efficacy"] <= 1.0, key
         assert measures["prompts"]["efficacy"] > 0
     # A persisted edit of a name rewrites rows its words share with other names: locality fails there.
-    assert result["methods"]["both/pad"]["prompts"]["shared_name_token"] > 0
-    assert result["methods"]["both/pad"]["locality_shared_name_token"] < 1.0
+    assert result["methods"]["both/clone"]["prompts"]["shared_name_token"] > 0
+    assert result["methods"]["both/clone"]["locality_shared_name_token"] < 1.0
 
 
 def test_the_edits_leave_the_model_as_it_was(plain):

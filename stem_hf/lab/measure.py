@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..analysis import dense_up_spread, table_spread
 from ..edit_eval import divergence_closed, next_token_logprobs
-from ..editing import STRATEGIES, StemEdit, persisted, write_edited_rows
+from ..editing import RENAMED_STRATEGIES, STRATEGIES, StemEdit, filler_id, persisted, write_edited_rows
 from .corpus import LabWorld
 
 
@@ -156,7 +156,7 @@ def _methods_to_run(
     if kind not in ("person", "country"):
         raise ValueError(f"evaluate_edits: kind must be 'person' or 'country', got {kind!r}")
     unknown = [m for m in methods if m not in METHODS or (m in ("tables", "both") and not stem)]
-    if unknown or any(s not in STRATEGIES for s in strategies):
+    if unknown or any(s not in STRATEGIES and s not in RENAMED_STRATEGIES for s in strategies):
         raise ValueError(f"evaluate_edits: methods {methods} / strategies {strategies}: not all apply to this model")
     return methods
 
@@ -214,6 +214,7 @@ def _edit_cases(
     entries = world.people if kind == "person" else world.countries
     rng = random.Random(seed)
     names = _name_tokens(world, tokenizer)
+    filler = filler_id(tokenizer)
     cases = []
     for a, b in pairs:
         own, text = _edited_prompts(world, tokenizer, kind, a, b)
@@ -221,7 +222,8 @@ def _edit_cases(
         chosen = set(rng.sample(candidates, min(locality_people, len(candidates))))
         local, shares = _locality_prompts(pool, names, kind, a, chosen)
         cases.append({
-            "edit": (tuple(_name_ids(tokenizer, entries[a]["name"])), tuple(_name_ids(tokenizer, entries[b]["name"]))),
+            "edit": (_name_ids(tokenizer, entries[a]["name"]), _name_ids(tokenizer, entries[b]["name"])),
+            "filler": filler,
             "own": own, "text": text, "local": local, "shares": shares,
             "targets": torch.tensor(tokenizer.convert_tokens_to_ids([entries[b][q.attribute] for q in own])),
             "train": torch.tensor([q.split == "train" for q in own], dtype=torch.bool),
@@ -246,7 +248,7 @@ def _count_case(
     if method == "text":
         logprobs = next_token_logprobs(model, prompts)
     else:
-        with swapped_rows(model, StemEdit(*case["edit"], strategy), method):
+        with swapped_rows(model, StemEdit(*case["edit"], strategy, case["filler"]), method):
             logprobs = next_token_logprobs(model, prompts)
         closed = divergence_closed(logprobs[: len(own)], case["unedited"], case["target"])
         counts["div"] += closed[closed.isfinite()].sum().item()  # not where A's and B's prompts agree

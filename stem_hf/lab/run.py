@@ -36,9 +36,9 @@ def measure(model, world, tokenizer, pairs: int, seed: int) -> dict:
     result["known_people"] = len(known)
     result["edits"] = evaluate_edits(model, world, tokenizer, people, seed=seed)
     same = edit_pairs(world, tokenizer, known, pairs, seed, same_length=True)
-    result["edits_same_length"] = evaluate_edits(model, world, tokenizer, same, strategies=("pad",), seed=seed)
+    result["edits_same_length"] = evaluate_edits(model, world, tokenizer, same, strategies=("clone",), seed=seed)
     countries = [(a, b) for a in range(len(world.countries)) for b in range(len(world.countries)) if a != b]
-    result["country_edits"] = evaluate_edits(model, world, tokenizer, countries, "country", strategies=("pad",))
+    result["country_edits"] = evaluate_edits(model, world, tokenizer, countries, "country", strategies=("clone",))
     result["localization"] = localization(model, world, tokenizer, known)
     per_person = result["recall"]["person_train"].pop("per_person")
     result["recall"]["person_train"]["known_share"] = sum(r >= 0.8 for r in per_person) / len(per_person)
@@ -47,10 +47,16 @@ def measure(model, world, tokenizer, pairs: int, seed: int) -> dict:
 
 def pick_regime(runs: dict) -> str:
     """The run whose facts move with its table rows: the highest efficacy of a row swap between names of equal length,
-    among runs whose trained-template recall is at least half the best recall."""
+    among runs whose trained-template recall is at least half the best recall (`tables/pad`: results saved before
+    `pad` was renamed `clone`)."""
+
+    def efficacy(run: dict) -> float:
+        methods = run["edits_same_length"]["methods"]
+        return methods.get("tables/clone", methods.get("tables/pad"))["efficacy"] or 0.0
+
     best_recall = max(r["recall"]["person_train"]["recall"] for r in runs.values())
     eligible = {k: r for k, r in runs.items() if r["recall"]["person_train"]["recall"] >= best_recall / 2}
-    return max(eligible, key=lambda k: eligible[k]["edits_same_length"]["methods"]["tables/pad"]["efficacy"] or 0.0)
+    return max(eligible, key=lambda k: efficacy(eligible[k]))
 
 
 def check_lab_args(regimes, models, capacity_people, pairs: int) -> None:
