@@ -76,7 +76,7 @@ def run_protocol(protocol: str, args: argparse.Namespace, out: Path) -> None:
             plot_claims(merge(saved, json.loads(curves_path.read_text())), curves_path.parent)
         return
     settings = QUICK_CLAIMS if args.quick else ClaimsSettings()
-    parts = tuple(args.parts)
+    parts = tuple(args.parts or PARTS)
     if protocol == "paper":
         settings, parts = paper_protocol(settings), ("stability",)
     work = "runs/paper_claims_quick" if args.quick else "runs/paper_claims"
@@ -96,13 +96,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--protocol", choices=(*PROTOCOLS, "both"), default="both")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="of the matched protocol")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, help="of the matched protocol (default: all)")
     parser.add_argument("--replot", action="store_true", help="redraw the PNGs from the saved JSON")
     parser.add_argument("--markdown", action="store_true", help="print the docs' tables from the saved JSON")
     parser.add_argument(
         "--out", default=None, help="default: benchmarks/results (runs/paper_claims_quick with --quick)"
     )
     args = parser.parse_args()
+    if args.parts and args.protocol == "paper":
+        parser.error("--parts: the paper protocol runs the stability part (and the ROI) only")
     if not (args.replot or args.markdown):
         require_matplotlib()
     out = Path(args.out or ("runs/paper_claims_quick" if args.quick else "benchmarks/results"))

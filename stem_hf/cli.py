@@ -332,7 +332,7 @@ def run_analyze(args: argparse.Namespace) -> dict:
 def run_edit(args: argparse.Namespace) -> tuple[str, str]:
     import torch
 
-    from .editing import StemEdit, StemEditor, find_occurrences
+    from .editing import StemEdit, StemEditor, current_strategy, find_occurrences
 
     # Everything the text can get wrong is checked before the model loads.
     if not args.prompt:
@@ -341,6 +341,7 @@ def run_edit(args: argparse.Namespace) -> tuple[str, str]:
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise ValueError(f"--prompt: {args.prompt!r} tokenizes to no token; the model needs some text to continue")
+    args.strategy = current_strategy(args.strategy)  # an old name warns once, not at each tokenization below
     edit = StemEdit.from_text(tokenizer, args.source, args.target, args.strategy)
     if not find_occurrences(ids, edit.source) and not args.source.startswith(" "):
         # Mid-sentence words carry their leading space in most BPE vocabularies.

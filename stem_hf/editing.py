@@ -57,6 +57,20 @@ def table_copies(model: nn.Module) -> list[StemTableCopy]:
     return copies
 
 
+def current_strategy(strategy: str, stacklevel: int = 2) -> str:
+    """`strategy` under its current name: an old one (`RENAMED_STRATEGIES`) warns, pointing `stacklevel` frames up."""
+    if strategy not in RENAMED_STRATEGIES:
+        return strategy
+    new = RENAMED_STRATEGIES[strategy]
+    warnings.warn(
+        f"strategy {strategy!r} is now called {new!r} (the paper's name for repeating the target's tokens); the "
+        "paper's padding with a filler token is 'filler'",
+        FutureWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return new
+
+
 def filler_id(tokenizer) -> int:
     """The token the `filler` strategy fills with: the tokenizer's pad token, else its eos, else its bos."""
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
@@ -76,15 +90,7 @@ class StemEdit:
     filler: int | None = None
 
     def __post_init__(self):
-        if self.strategy in RENAMED_STRATEGIES:
-            new = RENAMED_STRATEGIES[self.strategy]
-            warnings.warn(
-                f"strategy {self.strategy!r} is now called {new!r} (the paper's name for repeating the target's "
-                "tokens); the paper's padding with a filler token is 'filler'",
-                FutureWarning,
-                stacklevel=3,
-            )
-            object.__setattr__(self, "strategy", new)
+        object.__setattr__(self, "strategy", current_strategy(self.strategy, stacklevel=3))
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if not self.source or not self.target:
@@ -99,6 +105,7 @@ class StemEdit:
     def from_text(cls, tokenizer, source: str, target: str, strategy: str = "clone") -> "StemEdit":
         """Tokenizes both without special tokens. A leading space is part of a word's token in most BPE vocabularies:
         pass " Paris", as it appears mid-sentence, not "Paris". The `filler` strategy fills with `filler_id`."""
+        strategy = current_strategy(strategy, stacklevel=2)
         for name, text in (("source", source), ("target", target)):
             if not text.strip():
                 raise ValueError(f"edit: the {name} string {text!r} is empty")
@@ -329,12 +336,14 @@ def persisted(model: nn.Module, edit: StemEdit) -> Iterator[None]:
 @contextmanager
 def edited(model: nn.Module, tokenizer, source: str, target: str, strategy: str = "clone") -> Iterator[StemEditor]:
     """`with edited(model, tokenizer, " France", " Germany"): ...`: one text edit as a reversible context."""
+    strategy = current_strategy(strategy, stacklevel=3)  # the caller's `with` line, past contextmanager's frame
     with StemEditor(model, [StemEdit.from_text(tokenizer, source, target, strategy)]) as editor:
         yield editor
 
 
 __all__ = [
     "RENAMED_STRATEGIES",
+    "current_strategy",
     "STRATEGIES",
     "StemEdit",
     "StemEditor",

@@ -120,8 +120,6 @@ def inject_fact(
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-            with torch.no_grad():
-                losses.append(model(**batch, use_cache=False).loss.item())
     finally:
         base.set_row_source(previous)
         for p, flag in flags.items():
@@ -132,6 +130,11 @@ def inject_fact(
         for key, table in tables.items():
             table.weight[token] = rows[key].detach().to(table.weight.device, table.weight.dtype)
     model.stem_save_id = unsaved_id()  # the tables no longer hold the loaded or saved checkpoint's rows
+    with torch.no_grad():  # the loss of the rows as written (in the tables' dtype), not of the float32 copies
+        was_training = model.training
+        model.eval()
+        losses.append(model(**batch, use_cache=False).loss.item())
+        model.train(was_training)
     return Injection(model, token, losses, saved, save_id)
 
 

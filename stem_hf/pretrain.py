@@ -6,6 +6,7 @@ one thing: in the STEM layers the up-projection is a table, and the intermediate
 per token match the dense model's. A BPE tokenizer is trained on the training split first (`tokenizers`).
 """
 
+import copy
 import json
 import os
 import random
@@ -49,6 +50,11 @@ class PretrainSettings:
             raise ValueError(f"recipe: {self.recipe!r} is not one of {', '.join(RECIPES)}")
         if self.recipe == "paper" and self.table_lr is not None:
             raise ValueError("recipe 'paper' trains the tables at the backbone's learning rate: leave table_lr unset")
+        clash = sorted(k for k in self.extra if self.recipe == "paper" and k in PAPER_ARGUMENTS)
+        if clash:
+            raise ValueError(
+                f"recipe 'paper' sets {', '.join(clash)} itself (PAPER_ARGUMENTS): leave them out of extra"
+            )
 
 
 def split_corpus(texts: list[str], valid_fraction: float, seed: int, piece: int = 4000) -> tuple[list[str], list[str]]:
@@ -143,7 +149,7 @@ def training_arguments(out: Path, settings: PretrainSettings, **overrides) -> Tr
         dataloader_num_workers=0,
     )
     if settings.recipe == "paper":
-        args.update(PAPER_ARGUMENTS)
+        args.update(copy.deepcopy(PAPER_ARGUMENTS))
     return TrainingArguments(**{**args, **settings.extra, **overrides})
 
 

@@ -9,6 +9,7 @@
 - `recipe="paper"` (`StemTrainer`, `build_optimizer`, with `PAPER_ARGUMENTS`): the reference code's optimizer instead.
 """
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -36,6 +37,7 @@ PAPER_ARGUMENTS = {
     "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
 }
 RECIPES = ("stem-hf", "paper")
+_PAPER_ARGUMENTS = copy.deepcopy(PAPER_ARGUMENTS)  # what the check compares with: `TrainingArguments` keeps the dict
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
 
 
@@ -264,7 +266,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
 def check_paper_arguments(args: TrainingArguments) -> None:
     """Raises, naming each field, where `args` differ from the reference recipe's `PAPER_ARGUMENTS`."""
     wrong = []
-    for key, want in PAPER_ARGUMENTS.items():
+    for key, want in _PAPER_ARGUMENTS.items():
         got = getattr(args, key)
         got = getattr(got, "value", got)  # lr_scheduler_type is a SchedulerType
         if got != want:
@@ -272,7 +274,8 @@ def check_paper_arguments(args: TrainingArguments) -> None:
     if wrong:
         raise ValueError(
             f"recipe='paper' is the reference code's optimizer and schedule; these TrainingArguments differ from it: "
-            f"{', '.join(wrong)}. Build them as TrainingArguments(..., **stem_hf.training.PAPER_ARGUMENTS)"
+            f"{', '.join(wrong)}. Build them as TrainingArguments(..., **stem_hf.training.PAPER_ARGUMENTS) (the same "
+            "schedule spelled otherwise, e.g. with `min_lr`, counts as different)"
         )
 
 
@@ -339,9 +342,10 @@ class StemTrainer(Trainer):
             raise ValueError(f"recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
         if recipe == "paper":
             given = {
-                "table_lr": table_lr,
-                "row_sparse_tables": row_sparse_tables,
-                "sparse_table_grads": sparse_table_grads,
+                "table_lr": table_lr is not None,
+                "row_sparse_tables": row_sparse_tables is True,
+                "sparse_table_grads": sparse_table_grads is True,
+                "optimizers": kwargs.get("optimizers", (None, None))[0] is not None,
             }
             given = [k for k, v in given.items() if v]
             if given:
@@ -349,6 +353,9 @@ class StemTrainer(Trainer):
                     f"recipe='paper' is dense AdamW over every parameter at one learning rate: {', '.join(given)} "
                     "does not apply to it (use the default recipe for row-sparse tables)"
                 )
+            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+            if training_args is not None:
+                check_paper_arguments(training_args)  # before Trainer moves the model anywhere
             row_sparse_tables = sparse_table_grads = False
         row_sparse_tables = True if row_sparse_tables is None else row_sparse_tables
         self.table_lr, self.recipe = table_lr, recipe

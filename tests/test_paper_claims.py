@@ -136,7 +136,10 @@ def test_moe_baseline_is_transformers_mixtral_with_its_balancing_loss(configs):
             layer.mlp.gate.weight.zero_()
     load = expert_load(model, ids)
     assert load["max_over_mean"] == [4.0] * 4 and load["idle_experts"] == [6] * 4
-    assert training_flops(model, 16) is None
+    # by hand, at the mean context 8 of a 16-token block: attention, the two chosen experts (the dense FFN's
+    # multiply-adds), the head, and the router's 8 scores per layer; training is 3x the forward
+    attention, ffn, head, router = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 * 8, 3 * 64 * 256, 64 * VOCAB, 64 * 8
+    assert training_flops(model, 16) == 3 * 2 * (4 * (attention + ffn + router) + head)
     assert training_flops(StemForCausalLM(configs["STEM-full"]), 16) > 0
 
 

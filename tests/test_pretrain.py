@@ -97,6 +97,8 @@ def test_the_paper_recipe_sets_the_reference_arguments_and_refuses_a_table_rate(
         check_paper_arguments(training_arguments(tmp_path, PretrainSettings()))
     with pytest.raises(ValueError, match="recipe: 'lingua' is not one of stem-hf, paper"):
         PretrainSettings(recipe="lingua")
+    with pytest.raises(ValueError, match="sets adam_beta2 itself"):
+        PretrainSettings(recipe="paper", extra={"adam_beta2": 0.999})
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_corpus(10))
     with pytest.raises(ValueError, match="leave table_lr unset"):  # before any tokenizer or model is trained

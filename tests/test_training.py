@@ -600,6 +600,18 @@ def test_paper_recipe_refuses_arguments_that_differ_from_the_reference(tmp_path)
             StemTrainer(model=model, args=_paper_args(tmp_path), recipe="paper", **given)
     with pytest.raises(ValueError, match="recipe: 'lingua' is not one of stem-hf, paper"):
         StemTrainer(model=model, args=_args(tmp_path), recipe="lingua")
+    with pytest.raises(ValueError, match="optimizers does not apply"):
+        optimizer = torch.optim.AdamW(model.parameters())
+        StemTrainer(model=model, args=_paper_args(tmp_path), recipe="paper", optimizers=(optimizer, None))
+    args = _paper_args(tmp_path)
+    args.lr_scheduler_kwargs["min_lr_rate"] = 0.0  # TrainingArguments keeps PAPER_ARGUMENTS' own dict
+    try:
+        with pytest.raises(
+            ValueError, match=r"lr_scheduler_kwargs=\{'min_lr_rate': 0.1\} \(got \{'min_lr_rate': 0.0\}\)"
+        ):
+            StemTrainer(model, args, recipe="paper")  # positional: checked before Trainer's own setup
+    finally:
+        args.lr_scheduler_kwargs["min_lr_rate"] = 0.1
 
 
 def test_paper_recipe_decays_rows_outside_the_batch_on_its_cosine_to_a_tenth(tmp_path):

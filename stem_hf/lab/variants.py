@@ -98,7 +98,7 @@ def hash_routes(vocab_size: int, num_experts: int, top_k: int, seed: int) -> tor
     is the expert of group j that a random hash of its id picks (a seeded permutation of the vocabulary, modulo the
     group's size). A token's experts are distinct, and each expert is picked by as many vocabulary ids as any other
     in its slot, within one: balanced over the vocabulary by construction (over text, token frequency decides)."""
-    if num_experts % top_k or top_k < 1:
+    if top_k < 1 or num_experts % top_k:
         raise ValueError(f"hash MoE: {num_experts} experts do not split into top_k={top_k} equal groups")
     group = num_experts // top_k
     generator = torch.Generator().manual_seed(seed)
