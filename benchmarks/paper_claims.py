@@ -8,7 +8,7 @@ the reference code's recipe, and a hash-routed fine-grained MoE beside Mixtral's
 
     .venv/bin/python benchmarks/paper_claims.py                     # both: JSON in benchmarks/results/
                                                                     # paper_claims.json (matched, about 75 min) and
-                                                                    # paper_claims_paper.json (paper, about 40 min),
+                                                                    # paper_claims_paper.json (paper, 25 runs),
                                                                     # PNGs and curves in the folders of those names
     .venv/bin/python benchmarks/paper_claims.py --protocol paper    # one of them
     .venv/bin/python benchmarks/paper_claims.py --quick             # the test size, to try it (results in runs/)

@@ -111,7 +111,7 @@ QUICK_CLAIMS = ClaimsSettings(
 
 
 # Part of every run's cache key: bump it when a change to the training or the measures changes a run's result.
-RUNS_VERSION = 2
+RUNS_VERSION = 3
 
 
 class RunCache:
