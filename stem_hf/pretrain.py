@@ -21,7 +21,7 @@ from .accounting import summarize
 from .configuration_stem import StemConfig
 from .extras import require
 from .modeling_stem import StemForCausalLM
-from .training import PAPER_ARGUMENTS, RECIPES, StemTrainer
+from .training import PAPER_ARGUMENTS, StemTrainer, check_recipe
 
 
 @dataclass
@@ -46,8 +46,7 @@ class PretrainSettings:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.recipe not in RECIPES:
-            raise ValueError(f"recipe: {self.recipe!r} is not one of {', '.join(RECIPES)}")
+        check_recipe(self.recipe)
         if self.recipe == "paper" and self.table_lr is not None:
             raise ValueError("recipe 'paper' trains the tables at the backbone's learning rate: leave table_lr unset")
         clash = sorted(k for k in self.extra if self.recipe == "paper" and k in PAPER_ARGUMENTS)

@@ -263,6 +263,11 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     return total
 
 
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
+
+
 def check_paper_arguments(args: TrainingArguments) -> None:
     """Raises, naming each field, where `args` differ from the reference recipe's `PAPER_ARGUMENTS`."""
     wrong = []
@@ -295,8 +300,7 @@ def build_optimizer(
     `recipe="paper"`: the reference code's optimizer, torch's AdamW over one group of every trainable parameter at
     `args.weight_decay` (tables, norms and embeddings decayed alike) and the backbone's rate; `table_lr` and
     `row_sparse_tables` do not apply."""
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
+    check_recipe(recipe)
     betas = (args.adam_beta1, args.adam_beta2)
     if recipe == "paper":
         if table_lr is not None:
@@ -338,8 +342,7 @@ class StemTrainer(Trainer):
         recipe: str = "stem-hf",
         **kwargs,
     ):
-        if recipe not in RECIPES:
-            raise ValueError(f"recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
+        check_recipe(recipe)
         if recipe == "paper":
             given = {
                 "table_lr": table_lr is not None,
@@ -474,6 +477,7 @@ __all__ = [
     "adam_state_bytes",
     "build_optimizer",
     "check_paper_arguments",
+    "check_recipe",
     "clip_grad_norm",
     "lora_config",
     "param_groups",

@@ -19,7 +19,7 @@ from ..modeling_stem import StemForCausalLM, StemMLP, StemTableMLP
 from ..pretrain import PretrainSettings, training_arguments
 from ..training import StemTrainer
 from .measure import Probe, accuracy
-from .variants import active_parameters, is_hash_moe
+from .variants import active_parameters, is_hash_moe, load_summary
 
 # The spike rule, on the loss of a fixed monitor batch after every step (a training batch's loss moves with what the
 # batch holds): above (1 + SPIKE_MARGIN) times the median of the SPIKE_WINDOW steps before it.
@@ -107,13 +107,7 @@ def expert_load(model: MixtralForCausalLM, blocks: torch.Tensor, batch_size: int
             chosen = logits.topk(config.num_experts_per_tok, dim=-1).indices.flatten().cpu()
             counts[layer] += torch.bincount(chosen, minlength=config.num_local_experts).float()
     model.train(was_training)
-    shares = counts / counts.sum(-1, keepdim=True)
-    mean = 1 / config.num_local_experts
-    return {
-        "shares": shares.tolist(),
-        "max_over_mean": (shares.max(-1).values / mean).tolist(),
-        "idle_experts": (shares < 0.1 * mean).sum(-1).tolist(),
-    }
+    return load_summary(counts)
 
 
 def training_flops(model: nn.Module, context: int) -> int | None:

@@ -168,20 +168,27 @@ def is_hash_moe(model: nn.Module) -> bool:
     )
 
 
-def hash_expert_load(model: StemForCausalLM, blocks: torch.Tensor) -> dict:
-    """As `claims.expert_load` for the hash MoE: each expert's share of the routed token slots of `blocks`, per
-    layer; `max_over_mean` the busiest expert's share over a fair one, `idle_experts` those under a tenth of it."""
-    shares, ids = [], blocks.flatten()
-    for layer in model.model.layers:
-        counts = torch.bincount(layer.mlp.routes.cpu()[ids].flatten(), minlength=layer.mlp.num_experts).float()
-        shares.append(counts / counts.sum())
-    shares = torch.stack(shares)
-    mean = 1 / shares.shape[1]
+def load_summary(counts: torch.Tensor) -> dict:
+    """From `[layers, experts]` counts of routed token slots: each expert's share per layer; `max_over_mean` the
+    busiest expert's share times the number of experts (1.0 is a perfect balance), `idle_experts` those under a tenth
+    of the mean."""
+    shares = counts / counts.sum(-1, keepdim=True)
+    mean = 1 / counts.shape[1]
     return {
         "shares": shares.tolist(),
         "max_over_mean": (shares.max(-1).values / mean).tolist(),
         "idle_experts": (shares < 0.1 * mean).sum(-1).tolist(),
     }
+
+
+def hash_expert_load(model: StemForCausalLM, blocks: torch.Tensor) -> dict:
+    """`load_summary` of the hash MoE's routes over the tokens of `blocks`, as `claims.expert_load` for Mixtral."""
+    ids = blocks.flatten()
+    counts = [
+        torch.bincount(layer.mlp.routes.cpu()[ids].flatten(), minlength=layer.mlp.num_experts).float()
+        for layer in model.model.layers
+    ]
+    return load_summary(torch.stack(counts))
 
 
 def active_parameters(model: nn.Module) -> int:
@@ -254,6 +261,7 @@ __all__ = [
     "hash_expert_load",
     "hash_routes",
     "is_hash_moe",
+    "load_summary",
     "moe_config",
     "variant_config",
 ]
