@@ -220,9 +220,23 @@ class StemMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+def settle(weight: torch.Tensor) -> None:
+    """Waits for a write of `weight` still running on another thread and raises what it raised. A writer
+    (`stem_hf.training.RowSparseAdamW(write_behind=True)`, which steps host tables while the accelerator goes on)
+    leaves it in `weight.stem_pending_write`, an object with `result()`: on the weight itself, so that every copy of
+    this file (the package's, a checkpoint's remote code) sees it."""
+    write = getattr(weight, "stem_pending_write", None)  # None: a constant under torch.compile
+    if write is not None:
+        write.result()
+
+
 class StemTable(nn.Embedding):
     """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
-    the token embedding and give it the paper's xavier-normal init."""
+    the token embedding and give it the paper's xavier-normal init. Its state dict waits for a write behind."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        settle(self.weight)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
 
 # Host tables serving an accelerator: one worker thread gathers rows into pinned memory and starts their copy on a side
@@ -294,6 +308,7 @@ class StemTableRows:
         if table.weight.shape[0] == 0:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
         if not self.host_served(table):
+            settle(table.weight)
             return table(self.stem_input_ids)
         return self.host_rows(layer_idx)
 
@@ -325,6 +340,7 @@ class StemTableRows:
         unique, inverse = self.distinct()
         table = self.tables[str(layer_idx)]
         if not self.pipelined(table):
+            settle(table.weight)
             return table(unique.to(table.weight.device)).to(self.stem_input_ids.device, non_blocking=True)[inverse]
         if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
             rows, ready = self._fetch(table, unique, self._main_stream())
@@ -357,6 +373,7 @@ class StemTableRows:
         """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only): gathered
         into pinned memory, whose copy can run on the side stream while the main one computes."""
         device = self.stem_input_ids.device
+        settle(table.weight)  # on the worker: the layers before go on while a write behind finishes
         weight = table.weight.detach()
         staged = torch.empty((len(unique), weight.shape[1]), dtype=weight.dtype, pin_memory=device.type == "cuda")
         torch.index_select(weight, 0, unique, out=staged)
@@ -408,6 +425,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
             )
     for _, param in tables:
+        settle(param)  # its state may still be written behind
         if param.dtype != torch.float32:
             continue  # only an upcast table needs its state raised; optimizers may keep fp32 state on purpose
         state = optimizer.state.get(param, {})
@@ -484,6 +502,7 @@ class StemTables(nn.ModuleDict):
             return []
         stored = self.config.table_dtype
         for key in keys:
+            settle(self[key].weight)
             self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
         logger.warning_once(
             f"STEM tables {keys} train in float32: cast from {stored} in memory "
@@ -497,6 +516,8 @@ class StemTables(nn.ModuleDict):
         weight = next(self.parameters(), None)
         if weight is None:
             return super()._apply(fn, recurse)
+        for table in self.values():
+            settle(table.weight)
         # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
         probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
         device = probe.device
@@ -527,6 +548,7 @@ class StemTables(nn.ModuleDict):
         xavier-normal init (`mean_resizing=False`)."""
         self.check_not_freed("resize_token_embeddings")
         for key, old in list(self.items()):
+            settle(old.weight)
             old_num_tokens, dim = old.weight.shape
             if old_num_tokens == new_num_tokens:
                 continue
@@ -1000,5 +1022,6 @@ __all__ = [
     "StemTableRows",
     "StemTables",
     "check_token_ids",
+    "settle",
     "xavier_normal_std",
 ]

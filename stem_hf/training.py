@@ -10,7 +10,9 @@
 """
 
 import copy
+import os
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -39,6 +41,47 @@ PAPER_ARGUMENTS = {
 RECIPES = ("stem-hf", "paper")
 _PAPER_ARGUMENTS = copy.deepcopy(PAPER_ARGUMENTS)  # what the check compares with: `TrainingArguments` keeps the dict
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
+# Elements of a host table's rows updated per pass: weight, moments and gradient of a chunk stay in cache through the
+# update's passes and its temporaries are reused, where whole-batch temporaries would be fresh pages every step.
+ROW_CHUNK_ELEMENTS = 1 << 20
+_TABLE_WRITER: ThreadPoolExecutor | None = None
+
+
+def _table_writer() -> ThreadPoolExecutor:
+    """The one thread that writes host tables behind (`RowSparseAdamW(write_behind=True)`), in submission order."""
+    global _TABLE_WRITER
+    if _TABLE_WRITER is None:
+        _TABLE_WRITER = ThreadPoolExecutor(1, thread_name_prefix="stem-table-writer")
+    return _TABLE_WRITER
+
+
+class TableWrite(Future):
+    """A table update running on the writer thread, left on the table as `weight.stem_pending_write` for readers to
+    wait on (`modeling_stem.settle`). A copy or a pickle of the table carries none."""
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+
+def _write(write: TableWrite, update, *args) -> None:
+    try:
+        update(*args)
+    except BaseException as error:
+        write.set_exception(error)
+    else:
+        write.set_result(None)
+
+
+def _forget_table_writer() -> None:
+    global _TABLE_WRITER
+    _TABLE_WRITER = None  # a forked child has the parent's executor but not its thread
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_table_writer)
 
 
 def param_groups(
@@ -83,7 +126,15 @@ class RowSparseAdamW(torch.optim.Optimizer):
     (its token was in the batch), and its moments and bias correction advance only then: lazy Adam, with a step count
     per row (torch's SparseAdam keeps one per parameter). Moments are kept for rows that have had a gradient, in slots
     allocated on first use (capacity doubles as needed: up to 2x the rows seen), plus one int64 slot index per table
-    row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows.
+    row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows. Dense
+    groups take torch's multi-tensor (foreach) AdamW update, a fixed number of kernels per group whatever its
+    parameter count; tables in host memory are updated in chunks of `ROW_CHUNK_ELEMENTS`.
+
+    `write_behind=True`: the sparse-gradient rows of tables in host memory are written by a worker thread, and `step`
+    returns once they are queued, so the accelerator goes on (the dense step, the next batch's layers) while the host
+    updates the tables. The model reads a table only after its write (`modeling_stem.settle`: the row fetch of that
+    layer, a state dict, a cast), as does this optimizer (`step`, `state_dict`, `load_state_dict`, `settle`). Read
+    `table.weight` yourself only after `settle()`.
     """
 
     def __init__(
@@ -94,10 +145,13 @@ class RowSparseAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         row_sparse: bool = False,
+        write_behind: bool = False,
     ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"RowSparseAdamW: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "row_sparse": row_sparse}
+        self.write_behind = write_behind
+        self._writes: list[tuple[torch.Tensor, TableWrite]] = []
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["row_sparse"] and any(p.ndim != 2 for p in group["params"]):
@@ -110,65 +164,134 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self.settle()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for param in params:
                 if param.grad.is_sparse and not group["row_sparse"]:
                     raise ValueError("RowSparseAdamW: a sparse gradient in a group without row_sparse=True")
                 if type(param).__name__ == "DTensor":  # sharded after this optimizer was built
                     raise ValueError("RowSparseAdamW does not take FSDP-sharded (DTensor) parameters: use AdamW")
-                if group["row_sparse"]:
-                    self._row_step(param, group)
-                else:
-                    self._dense_step(param, group)
+            if not group["row_sparse"]:
+                self._dense_step(params, group)
+                continue
+            for param in params:
+                self._row_step(param, group)
         return loss
 
-    def _dense_step(self, param: torch.Tensor, group: dict) -> None:
-        state = self.state[param]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, dtype=STATE_DTYPE)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=STATE_DTYPE)
-        state["step"] += 1
-        weight, grad = param.to(STATE_DTYPE), param.grad.to(STATE_DTYPE)
-        self._update(weight, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group)
-        if weight is not param:
-            param.copy_(weight)
+    def settle(self) -> None:
+        """Waits for the table writes `step` left behind, and raises what they raised."""
+        writes, self._writes = self._writes, []
+        for param, _ in writes:
+            if getattr(param, "stem_pending_write", None) is not None:
+                del param.stem_pending_write
+        for _, write in writes:
+            write.result()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self.settle()  # zeroing in place: nothing may still read a gradient
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        self.settle()
+        return super().state_dict()
+
+    def _dense_step(self, params: list[torch.Tensor], group: dict) -> None:
+        """torch's foreach AdamW update (`torch.optim.adam._multi_tensor_adam` without amsgrad, its operations in its
+        order), on fp32 copies of lower-precision parameters: per device and dtype, one kernel per operation."""
+        lists: dict[tuple, list[torch.Tensor]] = {}
+        for param in params:
+            lists.setdefault((param.device, param.dtype), []).append(param)
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        for same in lists.values():
+            states = [self.state[p] for p in same]
+            for param, state in zip(same, states, strict=True):
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, dtype=STATE_DTYPE)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=STATE_DTYPE)
+            steps = [state["step"] for state in states]  # on the host: counting them syncs nothing
+            torch._foreach_add_(steps, 1)
+            weights = [p.to(STATE_DTYPE) for p in same]
+            grads = [p.grad.to(STATE_DTYPE) for p in same]
+            exp_avgs = [state["exp_avg"] for state in states]
+            exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+            if weight_decay != 0:
+                torch._foreach_mul_(weights, 1 - lr * weight_decay)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            counts = torch.stack(steps).tolist()
+            step_size = [(lr / (1 - beta1**count)) * -1 for count in counts]
+            bias_correction2_sqrt = [(1 - beta2**count) ** 0.5 for count in counts]
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(weights, exp_avgs, denom, step_size)
+            for param, weight in zip(same, weights, strict=True):
+                if weight is not param:
+                    param.copy_(weight)
 
     def _row_step(self, param: torch.Tensor, group: dict) -> None:
-        if param.grad.is_sparse:  # `sparse_table_grads`: the batch's rows only, never a [vocab, d_ff] tensor
+        hyper = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}  # as of now: the scheduler moves lr
+        sparse = param.grad.is_sparse
+        if sparse:  # `sparse_table_grads`: the batch's rows only, never a [vocab, d_ff] tensor
             grad = param.grad.coalesce()
-            nonzero = grad.values().ne(0).any(dim=1)  # a row in the batch with no gradient moves no more than dense
-            rows, values = grad.indices()[0][nonzero], grad.values()[nonzero]
+            rows, values = grad.indices()[0], grad.values()  # survive a zero_grad: it swaps the sparse grad's tensors
+            if self.write_behind and param.device.type == "cpu":
+                write = TableWrite()
+                param.stem_pending_write = write  # what the model's reads of this table wait for
+                self._writes.append((param, write))
+                _table_writer().submit(_write, write, self._row_update, param, rows, values, hyper, sparse)
+                return
         else:
             rows = param.grad.ne(0).any(dim=1).nonzero().squeeze(1)
-            values = param.grad[rows]
-        if rows.numel() == 0:
-            return
-        state = self.state[param]
-        if not state:
-            state["slot"] = torch.full((param.shape[0],), -1, dtype=torch.long, device=param.device)
-            state["rows_seen"] = torch.zeros((), dtype=torch.long)
-            self._grow(state, param, 0)
-        slots = state["slot"][rows]
-        new = rows[slots < 0]
-        if new.numel():
-            seen = int(state["rows_seen"])
-            self._grow(state, param, seen + new.numel())
-            state["slot"][new] = torch.arange(seen, seen + new.numel(), device=param.device)
-            state["rows_seen"] += new.numel()
+            values = param.grad.index_select(0, rows)
+        self._row_update(param, rows, values, hyper, sparse)
+
+    def _row_update(
+        self, param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, group: dict, sparse: bool = False
+    ) -> None:
+        """Lazy AdamW of the distinct `rows`, gradients `values`; also on the writer thread, where no_grad is off."""
+        with torch.no_grad():
+            if sparse:  # a row in the batch with no gradient moves no more than under dense gradients
+                moved = torch.linalg.vector_norm(values, 0, dim=1) > 0
+                if not bool(moved.all()):
+                    rows, values = rows[moved], values[moved]
+            if rows.numel() == 0:
+                return
+            state = self.state[param]
+            if not state:
+                state["slot"] = torch.full((param.shape[0],), -1, dtype=torch.long, device=param.device)
+                state["rows_seen"] = torch.zeros((), dtype=torch.long)
+                self._grow(state, param, 0)
             slots = state["slot"][rows]
-        exp_avg, exp_avg_sq = state["exp_avg"][slots], state["exp_avg_sq"][slots]
-        steps = state["steps"][slots] + 1
-        weight = param[rows].to(STATE_DTYPE)
-        self._update(weight, values.to(STATE_DTYPE), exp_avg, exp_avg_sq, steps[:, None], group)
-        param[rows] = weight.to(param.dtype)
-        state["exp_avg"][slots], state["exp_avg_sq"][slots], state["steps"][slots] = exp_avg, exp_avg_sq, steps
+            new = rows[slots < 0]
+            if new.numel():
+                seen = int(state["rows_seen"])
+                self._grow(state, param, seen + new.numel())
+                state["slot"][new] = torch.arange(seen, seen + new.numel(), device=param.device)
+                state["rows_seen"] += new.numel()
+                slots = state["slot"][rows]
+            steps = state["steps"].index_select(0, slots).add_(1)
+            state["steps"].index_copy_(0, slots, steps)
+            chunk = max(1, ROW_CHUNK_ELEMENTS // param.shape[1]) if param.device.type == "cpu" else len(rows)
+            for start in range(0, len(rows), chunk):
+                part, at = rows[start : start + chunk], slots[start : start + chunk]
+                exp_avg = state["exp_avg"].index_select(0, at)
+                exp_avg_sq = state["exp_avg_sq"].index_select(0, at)
+                weight = param.index_select(0, part).to(STATE_DTYPE)
+                grad = values[start : start + chunk].to(STATE_DTYPE)
+                self._update(weight, grad, exp_avg, exp_avg_sq, steps[start : start + chunk, None], group)
+                param.index_copy_(0, part, weight.to(param.dtype))
+                state["exp_avg"].index_copy_(0, at, exp_avg)
+                state["exp_avg_sq"].index_copy_(0, at, exp_avg_sq)
 
     @staticmethod
     def _grow(state: dict, param: torch.Tensor, needed: int) -> None:
@@ -195,6 +318,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         weight.addcdiv_(exp_avg / bias1, denom, value=-group["lr"])
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.settle()
         # torch casts floating-point state to each parameter's dtype (bf16 tables would get bf16 moments) and every
         # state tensor of a float parameter to that dtype (slot indices included): restore the saved dtypes after.
         saved = state_dict["state"]
@@ -209,6 +333,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state per group name (groups without a name are numbered)."""
+        self.settle()
         total = {}
         for i, group in enumerate(self.param_groups):
             name = group.get("name", str(i))
@@ -291,6 +416,7 @@ def build_optimizer(
     row_sparse_tables: bool = True,
     sharded: bool = False,
     recipe: str = "stem-hf",
+    write_behind: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer for `Trainer(..., optimizers=(build_optimizer(model, args), None))`: `param_groups` with
     `args.learning_rate`, `args.weight_decay`, `args.adam_beta1/2` and `args.adam_epsilon`, in `RowSparseAdamW`; or,
@@ -299,8 +425,11 @@ def build_optimizer(
 
     `recipe="paper"`: the reference code's optimizer, torch's AdamW over one group of every trainable parameter at
     `args.weight_decay` (tables, norms and embeddings decayed alike) and the backbone's rate; `table_lr` and
-    `row_sparse_tables` do not apply."""
+    `row_sparse_tables` do not apply. `write_behind`: `RowSparseAdamW(write_behind=True)`, host tables written by a
+    worker thread while the accelerator goes on."""
     check_recipe(recipe)
+    if write_behind and (recipe == "paper" or sharded or not row_sparse_tables):
+        raise ValueError("write_behind: only RowSparseAdamW's row-sparse table groups write behind")
     betas = (args.adam_beta1, args.adam_beta2)
     if recipe == "paper":
         if table_lr is not None:
@@ -311,8 +440,9 @@ def build_optimizer(
         return torch.optim.AdamW([group], betas=betas, eps=args.adam_epsilon)
     row_sparse = row_sparse_tables and not sharded
     groups = param_groups(model, args.learning_rate, args.weight_decay, table_lr, 0.0, row_sparse)
-    optimizer = torch.optim.AdamW if sharded else RowSparseAdamW
-    return optimizer(groups, betas=betas, eps=args.adam_epsilon)
+    if sharded:
+        return torch.optim.AdamW(groups, betas=betas, eps=args.adam_epsilon)
+    return RowSparseAdamW(groups, betas=betas, eps=args.adam_epsilon, write_behind=write_behind)
 
 
 class StemTrainer(Trainer):
@@ -331,7 +461,12 @@ class StemTrainer(Trainer):
     they were before and after it. The default, None, turns them on where they are tested: one process, no FSDP,
     DeepSpeed, DataParallel or `torch_compile`, `row_sparse_tables`, the optimizer built here (not passed in), and a
     trainable table, float32 or to be upcast by `train()` (`StemTables.upcast_for_training`). True asks for them anyway
-    (one process only); False keeps dense table gradients. Everything else is Trainer's."""
+    (one process only); False keeps dense table gradients.
+
+    `write_behind_tables` has the tables that sit in host memory updated by a worker thread while the accelerator goes
+    on (`RowSparseAdamW(write_behind=True)`). The default, None, turns it on with sparse table gradients, the model on
+    an accelerator, a trainable table in host memory and no `torch_compile`; True asks for it with sparse table
+    gradients; False steps the tables before `optimizer.step()` returns. Everything else is Trainer's."""
 
     def __init__(
         self,
@@ -340,6 +475,7 @@ class StemTrainer(Trainer):
         row_sparse_tables: bool | None = None,
         sparse_table_grads: bool | None = None,
         recipe: str = "stem-hf",
+        write_behind_tables: bool | None = None,
         **kwargs,
     ):
         check_recipe(recipe)
@@ -348,6 +484,7 @@ class StemTrainer(Trainer):
                 "table_lr": table_lr is not None,
                 "row_sparse_tables": row_sparse_tables is True,
                 "sparse_table_grads": sparse_table_grads is True,
+                "write_behind_tables": write_behind_tables is True,
                 "optimizers": kwargs.get("optimizers", (None, None))[0] is not None,
             }
             given = [k for k, v in given.items() if v]
@@ -379,6 +516,17 @@ class StemTrainer(Trainer):
             )
         self.row_sparse_tables = row_sparse_tables or sparse_table_grads  # sparse gradients need the row groups
         self.sparse_table_grads = sparse_table_grads
+        if write_behind_tables and not (sparse_table_grads and self.optimizer is None):
+            raise ValueError(
+                "write_behind_tables: only with sparse table gradients and the optimizer StemTrainer builds (the "
+                "worker writes the rows of sparse gradients)"
+            )
+        if write_behind_tables is None:
+            on_host = any(t.weight.requires_grad and t.weight.device.type == "cpu" for t in stem_tables(self.model))
+            write_behind_tables = (
+                sparse_table_grads and on_host and self.args.device.type != "cpu" and not self.args.torch_compile
+            )
+        self.write_behind_tables = bool(write_behind_tables)
 
     def _tables_can_take_sparse_grads(self) -> bool:
         """A trainable table, each in float32 or to be upcast by `train()`, none on the meta device."""
@@ -397,7 +545,11 @@ class StemTrainer(Trainer):
                     module.upcast_trainable()  # what model.train() does; sparse gradients need it first
         use_sparse_table_grads(self.model, enable=self.sparse_table_grads)
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+            if isinstance(optimizer, RowSparseAdamW):
+                optimizer.settle()  # the tables are final when train() returns
+            return result
         finally:
             for table, sparse in zip(tables, before, strict=True):
                 table.sparse = sparse
@@ -422,7 +574,13 @@ class StemTrainer(Trainer):
             # Trainer may build the optimizer before FSDP2 shards the model, so ask Trainer, not the parameters.
             sharded = self.is_fsdp_enabled or any(type(p).__name__ == "DTensor" for p in model.parameters())
             self.optimizer = build_optimizer(
-                model, self.args, self.table_lr, self.row_sparse_tables, sharded, recipe=self.recipe
+                model,
+                self.args,
+                self.table_lr,
+                self.row_sparse_tables,
+                sharded,
+                recipe=self.recipe,
+                write_behind=self.write_behind_tables and not sharded,
             )
         return self.optimizer
 
@@ -472,8 +630,10 @@ __all__ = [
     "LORA_TARGETS",
     "PAPER_ARGUMENTS",
     "RECIPES",
+    "ROW_CHUNK_ELEMENTS",
     "RowSparseAdamW",
     "StemTrainer",
+    "TableWrite",
     "adam_state_bytes",
     "build_optimizer",
     "check_paper_arguments",

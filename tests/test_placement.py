@@ -304,3 +304,121 @@ def test_tables_the_worker_cannot_serve_are_looked_up_by_the_table_itself(monkey
     assert fetches == []  # layer 2's rows came from its own forward, not the worker
     assert rows.pipelined(model.model.stem_tables["1"])
     assert not rows.pipelined(torch.nn.Embedding(4, 2, device="meta"))
+
+
+def _sgd_like_run(model, ids, write_behind: bool, steps: int = 3):
+    from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
+
+    use_sparse_table_grads(model.train())
+    optimizer = RowSparseAdamW(param_groups(model, 5e-2, row_sparse_tables=True), write_behind=write_behind)
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        model.zero_grad()
+    return optimizer
+
+
+def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monkeypatch):
+    """`step` returns while the host tables are still being written (the writer is held here); the next forward's
+    row fetch, a state dict and the optimizer wait for the writes, so everything equals a run that wrote before
+    `step` returned. A copy of the model taken meanwhile carries no pending write."""
+    from stem_hf.training import RowSparseAdamW
+
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    reference = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    _sgd_like_run(reference, ids, write_behind=False)
+    with torch.no_grad():
+        expected = reference(ids).logits
+
+    fetches = _host_served(monkeypatch)
+    writers, holding, release = [], threading.Event(), threading.Event()
+    update = RowSparseAdamW._row_update
+
+    def held(self, param, *args):
+        writers.append(threading.current_thread().name.split("_")[0])
+        if len(writers) > 6:  # the third step's writes (two before, three tables each) wait to be released
+            holding.set()
+            assert release.wait(timeout=30)
+        update(self, param, *args)
+
+    monkeypatch.setattr(RowSparseAdamW, "_row_update", held)
+    torch.manual_seed(0)
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    optimizer = _sgd_like_run(model, ids, write_behind=True)
+    assert holding.wait(timeout=30)
+    assert set(writers) == {"stem-table-writer"} and len(writers) == 7  # the 7th is held, the others queue behind
+    table = model.model.stem_tables["1"]
+    assert not table.weight.stem_pending_write.done()  # step() has returned; the write has not
+    import copy
+
+    assert not hasattr(copy.deepcopy(table).weight, "stem_pending_write")
+    fetches.clear()
+    threading.Timer(0.3, release.set).start()
+    with torch.no_grad():
+        got = model(ids).logits  # the worker's fetch waits for each table's write
+    assert {t for _, t in fetches} == {"stem-host-rows"}
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert len(writers) == 9
+    for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    optimizer.settle()
+    assert not hasattr(table.weight, "stem_pending_write")
+
+
+def test_an_error_in_a_write_behind_reaches_the_next_forward(monkeypatch):
+    from stem_hf.training import RowSparseAdamW
+
+    _host_served(monkeypatch)
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    optimizer = _sgd_like_run(model, ids, write_behind=True, steps=1)
+    optimizer.settle()
+
+    def broken(*args):
+        raise RuntimeError("disk full while writing rows")
+
+    monkeypatch.setattr(RowSparseAdamW, "_update", staticmethod(broken))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="disk full while writing rows"), torch.no_grad():
+        model(ids)
+    with pytest.raises(RuntimeError, match="disk full while writing rows"):
+        optimizer.settle()
+
+
+def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(tmp_path, monkeypatch):
+    """Accumulation, clipping and a learning-rate schedule that changes every step: the same weights, bit for bit."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from stem_hf.training import RowSparseAdamW, StemTrainer
+
+    ids = torch.randint(3, 96, (8, 10), generator=torch.Generator().manual_seed(2)).tolist()
+    data = Dataset.from_list([{"input_ids": row, "labels": row} for row in ids])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        learning_rate=1e-2, max_grad_norm=0.5, warmup_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    _host_served(monkeypatch)
+    writers = []
+    update = RowSparseAdamW._row_update
+
+    def recorded(self, *a):
+        writers.append(threading.current_thread().name.split("_")[0])
+        update(self, *a)
+
+    monkeypatch.setattr(RowSparseAdamW, "_row_update", recorded)
+    models = []
+    for behind in (False, True):
+        torch.manual_seed(0)
+        model = sensitive_model(stem_layers=[1, 2, 3])
+        trainer = StemTrainer(model=model, args=args, train_dataset=data, write_behind_tables=behind)
+        writers.clear()
+        trainer.train()
+        assert set(writers) == ({"stem-table-writer"} if behind else {"MainThread"}) and len(writers) == 9
+        assert not any(hasattr(t.weight, "stem_pending_write") for t in model.model.stem_tables.values())
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)

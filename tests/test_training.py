@@ -67,19 +67,83 @@ def test_param_groups_keep_tables_and_norms_out_of_weight_decay():
 
 
 def test_dense_groups_match_torch_adamw():
+    """Bit for bit torch's foreach AdamW, with weight decay, a parameter left out of a step and a second group."""
     torch.manual_seed(0)
-    ours, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
-    ref.load_state_dict(ours.state_dict())
-    opt = RowSparseAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    for _ in range(4):
+    ours = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    ref = copy.deepcopy(ours)
+
+    def groups(model):
+        return [{"params": list(model[:2].parameters())}, {"params": list(model[2].parameters()), "lr": 3e-3}]
+
+    opt = RowSparseAdamW(groups(ours), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.1, foreach=True)
+    for step in range(4):
         x = torch.randn(5, 8)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
             optimizer.zero_grad()
             model(x).pow(2).sum().backward()
+            if step == 1:
+                model[1].bias.grad = None  # no gradient this step: its step count stays
             optimizer.step()
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert int(opt.state[ours[1].bias]["step"]) == 3
+
+
+def _dispatched(optimizer) -> int:
+    """The aten operations one `optimizer.step()` dispatches (on an accelerator: about the kernels it launches)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        optimizer.step()
+    return count[0]
+
+
+def test_a_dense_step_dispatches_as_many_operations_for_eight_layers_as_for_two():
+    counts = []
+    for layers in (2, 8):
+        torch.manual_seed(0)
+        model = _stem(num_hidden_layers=layers, stem_layers=[]).train()
+        optimizer = RowSparseAdamW(param_groups(model, 1e-3, weight_decay=0.1))
+        model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
+        optimizer.step()  # the first step makes the state
+        counts.append(_dispatched(optimizer))
+    params = [sum(1 for _ in _stem(num_hidden_layers=n, stem_layers=[]).parameters()) for n in (2, 8)]
+    assert params[1] > 3 * params[0] / 2  # many more tensors to update
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_table_rows_updated_in_chunks_equal_one_pass(monkeypatch, dtype):
+    """Chunked updates (3 rows a chunk here) give one pass's weights and state bit for bit, as new rows arrive,
+    slots grow past 64, rows repeat and weight decay applies."""
+    from stem_hf import training
+
+    results = []
+    for chunk_elements in (3 * 16, 1 << 30):
+        monkeypatch.setattr(training, "ROW_CHUNK_ELEMENTS", chunk_elements)
+        torch.manual_seed(0)
+        table = torch.nn.Embedding(500, 16, sparse=True).to(dtype)
+        opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1)
+        for step in range(4):
+            ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            table(ids).float().pow(2).sum().backward()
+            opt.step()
+        state = opt.state[table.weight]
+        results.append((table.weight.detach().clone(), {k: v.clone() for k, v in state.items()}))
+    (weight, state), (expected_weight, expected_state) = results
+    assert int(expected_state["rows_seen"]) > 64
+    torch.testing.assert_close(weight, expected_weight, rtol=0, atol=0)
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
 
 
 def test_row_sparse_tables_touch_only_batch_rows_and_keep_less_state():
@@ -230,6 +294,18 @@ def test_bad_optimizer_settings_are_clear_errors():
     sparse(torch.tensor([1])).sum().backward()
     with pytest.raises(ValueError, match="sparse gradient in a group without row_sparse"):
         opt.step()
+
+
+def test_write_behind_needs_the_row_sparse_optimizer_and_sparse_table_grads(tmp_path):
+    model = _stem()
+    with pytest.raises(ValueError, match="only RowSparseAdamW's row-sparse table groups"):
+        build_optimizer(model, _args(tmp_path), row_sparse_tables=False, write_behind=True)
+    with pytest.raises(ValueError, match="only with sparse table gradients"):
+        StemTrainer(model=model, args=_args(tmp_path), sparse_table_grads=False, write_behind_tables=True)
+    with pytest.raises(ValueError, match="write_behind_tables"):
+        StemTrainer(model=model, args=_args(tmp_path, **PAPER_ARGUMENTS), recipe="paper", write_behind_tables=True)
+    trainer = StemTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset(4))
+    assert trainer.sparse_table_grads and not trainer.write_behind_tables  # on the CPU nothing computes meanwhile
 
 
 def test_state_bytes_of_the_options_at_the_paper_1b_shape():
