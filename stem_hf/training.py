@@ -190,7 +190,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
             if getattr(param, "stem_pending_write", None) is not None:
                 del param.stem_pending_write
         for _, write in writes:
-            write.result()
+            if write is not None:  # None: a copy of this optimizer, whose writes stayed with the original
+                write.result()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none:

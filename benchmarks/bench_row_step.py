@@ -1,0 +1,128 @@
+"""The host side of training with tables in host memory: `RowSparseAdamW`'s step of the tables, on this machine's CPU.
+
+At the issue's 0.75B shape (tables of 32000 x 5632, float32 as training holds them) and a batch of 8 x 1024 tokens,
+uniform or Zipf-distributed:
+
+- `row_step`: one table's step, its rows updated in cache-sized chunks (`ROW_CHUNK_ELEMENTS`, the default) against
+  one pass over all of the batch's rows, timed in turn round by round.
+- `write_behind`: three tables' steps; how long `step()` holds the calling thread (the one that would launch the
+  accelerator's work) when it writes the rows itself and when a worker writes them behind, and how long until the
+  rows are written.
+
+    .venv/bin/python benchmarks/bench_row_step.py      # JSON on stdout and in benchmarks/results/bench_row_step.json
+
+How much of the writing a GPU hides is `bench_gpu.py`'s `host_row_sparse_adamw_write_behind` (it needs a GPU).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from stem_hf import training
+from stem_hf.training import RowSparseAdamW
+
+VOCAB, D_FF, TOKENS = 32000, 5632, 8 * 1024
+
+
+def batch_rows(kind: str, seed: int) -> torch.Tensor:
+    """The distinct ids of a batch of `TOKENS` tokens: uniform, or Zipf (rank r drawn with weight 1/r^1.1)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        ids = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+    else:
+        weights = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64) ** 1.1
+        ids = torch.multinomial(weights, TOKENS, replacement=True, generator=g)
+    return ids.unique()
+
+
+def sparse_grad(rows: torch.Tensor, seed: int) -> torch.Tensor:
+    values = torch.randn(len(rows), D_FF, generator=torch.Generator().manual_seed(seed)) * 1e-3
+    return torch.sparse_coo_tensor(rows[None], values, (VOCAB, D_FF), is_coalesced=True, check_invariants=False)
+
+
+def tables(n: int) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(VOCAB, D_FF) * 0.02) for _ in range(n)]
+
+
+def run_row_step(kind: str, repeats: int) -> dict:
+    """One table, chunked and one-pass optimizers in turn on the same batches (each its own table and state)."""
+    variants = {"chunked": training.ROW_CHUNK_ELEMENTS, "one_pass": 1 << 62}
+    (start,) = tables(1)
+    params = {name: torch.nn.Parameter(start.detach().clone()) for name in variants}
+    del start
+    optimizers = {k: RowSparseAdamW([{"params": [p], "row_sparse": True}], lr=1e-3) for k, p in params.items()}
+    times = {k: [] for k in variants}
+    for step in range(repeats + 2):  # two warm-up steps: the slots exist, as in a run already going
+        rows = batch_rows(kind, step)
+        order = list(variants) if step % 2 == 0 else list(reversed(variants))
+        for name in order:
+            params[name].grad = sparse_grad(rows, step)
+            training.ROW_CHUNK_ELEMENTS = variants[name]
+            start = time.perf_counter()
+            optimizers[name].step()
+            if step >= 2:
+                times[name].append(time.perf_counter() - start)
+    training.ROW_CHUNK_ELEMENTS = variants["chunked"]
+    out = {"rows": len(batch_rows(kind, 0)), "chunk_rows": max(1, variants["chunked"] // D_FF)}
+    for name, seconds in times.items():
+        out[f"{name}_ms"] = round(statistics.median(seconds) * 1e3, 1)
+    out["chunked_speedup"] = round(out["one_pass_ms"] / out["chunked_ms"], 2)
+    torch.testing.assert_close(params["chunked"], params["one_pass"], rtol=0, atol=0)  # the same update, bit for bit
+    return out
+
+
+def run_write_behind(repeats: int, n_tables: int = 3) -> dict:
+    """`n_tables` tables stepped together: in step, then behind (the same batches, fresh tables and state)."""
+    out = {"tables": n_tables}
+    for behind in (False, True):
+        params = tables(n_tables)
+        optimizer = RowSparseAdamW([{"params": params, "row_sparse": True}], lr=1e-3, write_behind=behind)
+        returns, written = [], []
+        for step in range(repeats + 2):
+            optimizer.settle()
+            rows = batch_rows("uniform", step)
+            for i, param in enumerate(params):
+                param.grad = sparse_grad(rows, 100 * step + i)
+            start = time.perf_counter()
+            optimizer.step()
+            returned = time.perf_counter()
+            optimizer.settle()
+            if step >= 2:
+                returns.append(returned - start)
+                written.append(time.perf_counter() - start)
+        key = "behind" if behind else "in_step"
+        out[key] = {
+            "step_returns_ms": round(statistics.median(returns) * 1e3, 1),
+            "rows_written_ms": round(statistics.median(written) * 1e3, 1),
+        }
+        del params, optimizer
+    out["calling_thread_freed_ms"] = round(out["in_step"]["step_returns_ms"] - out["behind"]["step_returns_ms"], 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/bench_row_step.json")
+    args = parser.parse_args()
+    report = {
+        "shape": {"vocab": VOCAB, "d_ff": D_FF, "tokens": TOKENS, "table_dtype": "float32"},
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "row_step": {kind: run_row_step(kind, args.repeats) for kind in ("uniform", "zipf")},
+        "write_behind": run_write_behind(args.repeats),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".tmp", "w") as f:
+        f.write(json.dumps(report, indent=2) + "\n")
+    os.replace(args.out + ".tmp", args.out)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
