@@ -232,11 +232,16 @@ def settle(weight: torch.Tensor) -> None:
 
 class StemTable(nn.Embedding):
     """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
-    the token embedding and give it the paper's xavier-normal init. Its state dict waits for a write behind."""
+    the token embedding and give it the paper's xavier-normal init. Saving or loading its state dict waits for a write
+    behind (`settle`): a save reads the written rows, a load is not overwritten by them."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         settle(self.weight)
         super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        settle(self.weight)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 # Host tables serving an accelerator: one worker thread gathers rows into pinned memory and starts their copy on a side

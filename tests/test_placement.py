@@ -332,12 +332,12 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
         expected = reference(ids).logits
 
     fetches = _host_served(monkeypatch)
-    writers, holding, release = [], threading.Event(), threading.Event()
+    writers, holding, release, free = [], threading.Event(), threading.Event(), [6]
     update = RowSparseAdamW._row_update
 
     def held(self, param, *args):
         writers.append(threading.current_thread().name.split("_")[0])
-        if len(writers) > 6:  # the third step's writes (two before, three tables each) wait to be released
+        if len(writers) > free[0]:  # the third step's writes (two before, three tables each) wait to be released
             holding.set()
             assert release.wait(timeout=30)
         update(self, param, *args)
@@ -364,6 +364,20 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     optimizer.settle()
     assert not hasattr(table.weight, "stem_pending_write")
+
+    # A state dict loaded while a write is held (as Trainer's load_best_model_at_end may): the loaded rows stay.
+    saved = copy.deepcopy(model.state_dict())
+    release.clear()
+    holding.clear()
+    writers.clear()
+    free[0] = 0
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert holding.wait(timeout=30) and not table.weight.stem_pending_write.done()
+    threading.Timer(0.3, release.set).start()
+    model.load_state_dict(saved)
+    optimizer.settle()
+    torch.testing.assert_close(table.weight, saved["model.stem_tables.1.weight"], rtol=0, atol=0)
 
 
 def test_an_error_in_a_write_behind_reaches_the_next_forward(monkeypatch):
