@@ -232,8 +232,8 @@ def settle(weight: torch.Tensor) -> None:
 
 class StemTable(nn.Embedding):
     """One STEM layer's `[vocab_size, intermediate_size]` table. Its own class so that `_init_weights` can tell it from
-    the token embedding and give it the paper's xavier-normal init. Saving or loading its state dict waits for a write
-    behind (`settle`): a save reads the written rows, a load is not overwritten by them."""
+    the token embedding and give it the paper's xavier-normal init. A state dict saved or loaded, a cast, a move, a copy
+    or a pickle waits for a write behind first (`settle`)."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         settle(self.weight)
@@ -242,6 +242,14 @@ class StemTable(nn.Embedding):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         settle(self.weight)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        settle(self.weight)  # a cast or move copies the written rows
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        settle(self.weight)  # a deep copy or pickle copies the written rows
+        return super().__getstate__()
 
 
 # Host tables serving an accelerator: one worker thread gathers rows into pinned memory and starts their copy on a side
@@ -507,7 +515,6 @@ class StemTables(nn.ModuleDict):
             return []
         stored = self.config.table_dtype
         for key in keys:
-            settle(self[key].weight)
             self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
         logger.warning_once(
             f"STEM tables {keys} train in float32: cast from {stored} in memory "
@@ -521,8 +528,6 @@ class StemTables(nn.ModuleDict):
         weight = next(self.parameters(), None)
         if weight is None:
             return super()._apply(fn, recurse)
-        for table in self.values():
-            settle(table.weight)
         # `fn` is opaque (`.to`, `.cuda`, `.half`, `to_empty`...): run it on an empty tensor to see where it sends data.
         probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
         device = probe.device

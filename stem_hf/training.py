@@ -9,9 +9,10 @@
 - `recipe="paper"` (`StemTrainer`, `build_optimizer`, with `PAPER_ARGUMENTS`): the reference code's optimizer instead.
 """
 
+import contextlib
 import copy
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -44,6 +45,9 @@ STATE_DTYPE = torch.float32  # moments and the update math, whatever the paramet
 # Elements of a host table's rows updated per pass: weight, moments and gradient of a chunk stay in cache through the
 # update's passes and its temporaries are reused, where whole-batch temporaries would be fresh pages every step.
 ROW_CHUNK_ELEMENTS = 1 << 20
+# Float32 bytes of dense parameters updated by one set of foreach operations: each operation is one kernel for many
+# parameters, and the fp32 copies and temporaries it makes stay within this much.
+DENSE_STEP_BYTES = 1 << 28
 _TABLE_WRITER: ThreadPoolExecutor | None = None
 
 
@@ -56,8 +60,9 @@ def _table_writer() -> ThreadPoolExecutor:
 
 
 class TableWrite(Future):
-    """A table update running on the writer thread, left on the table as `weight.stem_pending_write` for readers to
-    wait on (`modeling_stem.settle`). A copy or a pickle of the table carries none."""
+    """A table update queued on the writer thread, left on the table as `weight.stem_pending_write` for readers to wait
+    on (`modeling_stem.settle`) until it is done; a failed one stays, so that every read raises its error, until the
+    optimizer's `settle()`. A copy of the table taken meanwhile carries none."""
 
     def __deepcopy__(self, memo) -> None:
         return None
@@ -66,13 +71,16 @@ class TableWrite(Future):
         return type(None), ()
 
 
-def _write(write: TableWrite, update, *args) -> None:
+def _write(write: TableWrite, param: torch.Tensor, update: Callable[..., None], *args) -> None:
     try:
-        update(*args)
+        update(param, *args)
     except BaseException as error:
         write.set_exception(error)
-    else:
-        write.set_result(None)
+        return
+    # Before the result: the optimizer sets a new marker only after this write's result, so none is removed here.
+    if param.__dict__.get("stem_pending_write") is write:
+        del param.stem_pending_write
+    write.set_result(None)
 
 
 def _forget_table_writer() -> None:
@@ -80,8 +88,14 @@ def _forget_table_writer() -> None:
     _TABLE_WRITER = None  # a forked child has the parent's executor but not its thread
 
 
+def _drain_table_writer() -> None:
+    """Before a fork (a DataLoader's workers at each epoch): no write is mid-way, and none is left for the child."""
+    if _TABLE_WRITER is not None:
+        _TABLE_WRITER.submit(lambda: None).result()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_table_writer)
+    os.register_at_fork(before=_drain_table_writer, after_in_child=_forget_table_writer)
 
 
 def param_groups(
@@ -184,19 +198,22 @@ class RowSparseAdamW(torch.optim.Optimizer):
         return loss
 
     def settle(self) -> None:
-        """Waits for the table writes `step` left behind, and raises what they raised."""
+        """Waits for every table write `step` left behind, then raises the first error among them, once: the tables'
+        markers are gone after it."""
         writes, self._writes = self._writes, []
-        for param, _ in writes:
-            if getattr(param, "stem_pending_write", None) is not None:
+        errors = [write.exception() for _, write in writes]  # waits for each, even after one failed
+        for param, write in writes:
+            if param.__dict__.get("stem_pending_write") is write:
                 del param.stem_pending_write
-        for _, write in writes:
-            if write is not None:  # None: a copy of this optimizer, whose writes stayed with the original
-                write.result()
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none:
-            self.settle()  # zeroing in place: nothing may still read a gradient
-        super().zero_grad(set_to_none)
+    def __setstate__(self, state: dict) -> None:
+        # torch's Optimizer pickles and copies defaults, state and groups only: a copy writes in step, with no writes.
+        super().__setstate__(state)
+        self.__dict__.setdefault("write_behind", False)
+        self._writes = []
 
     def state_dict(self) -> dict:
         self.settle()
@@ -204,20 +221,27 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def _dense_step(self, params: list[torch.Tensor], group: dict) -> None:
         """torch's foreach AdamW update (`torch.optim.adam._multi_tensor_adam` without amsgrad, its operations in its
-        order), on fp32 copies of lower-precision parameters: per device and dtype, one kernel per operation."""
-        lists: dict[tuple, list[torch.Tensor]] = {}
+        order), on fp32 copies of lower-precision parameters: one kernel per operation for each batch of parameters of
+        one device and dtype, `DENSE_STEP_BYTES` at most."""
+        batches: list[list[torch.Tensor]] = []  # one device and dtype each, within DENSE_STEP_BYTES (or one parameter)
+        current, filled = {}, {}  # per (device, dtype): its open batch, and the bytes in it
         for param in params:
-            lists.setdefault((param.device, param.dtype), []).append(param)
+            key, size = (param.device, param.dtype), 4 * param.numel()
+            if key not in current or filled[key] + size > DENSE_STEP_BYTES:
+                current[key], filled[key] = len(batches), 0
+                batches.append([])
+            batches[current[key]].append(param)
+            filled[key] += size
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        for same in lists.values():
+        for same in batches:
             states = [self.state[p] for p in same]
             for param, state in zip(same, states, strict=True):
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param, dtype=STATE_DTYPE)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=STATE_DTYPE)
-            steps = [state["step"] for state in states]  # on the host: counting them syncs nothing
+            steps = [state["step"] for state in states]  # host tensors (as made above): reading them syncs nothing
             torch._foreach_add_(steps, 1)
             weights = [p.to(STATE_DTYPE) for p in same]
             grads = [p.grad.to(STATE_DTYPE) for p in same]
@@ -247,9 +271,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
             rows, values = grad.indices()[0], grad.values()  # survive a zero_grad: it swaps the sparse grad's tensors
             if self.write_behind and param.device.type == "cpu":
                 write = TableWrite()
+                write.set_running_or_notify_cancel()  # queued is as good as running: it cannot be cancelled
                 param.stem_pending_write = write  # what the model's reads of this table wait for
                 self._writes.append((param, write))
-                _table_writer().submit(_write, write, self._row_update, param, rows, values, hyper, sparse)
+                _table_writer().submit(_write, write, param, self._row_update, rows, values, hyper, sparse)
                 return
         else:
             rows = param.grad.ne(0).any(dim=1).nonzero().squeeze(1)
@@ -257,7 +282,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         self._row_update(param, rows, values, hyper, sparse)
 
     def _row_update(
-        self, param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, group: dict, sparse: bool = False
+        self, param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, hyper: dict, sparse: bool = False
     ) -> None:
         """Lazy AdamW of the distinct `rows`, gradients `values`; also on the writer thread, where no_grad is off."""
         with torch.no_grad():
@@ -280,19 +305,20 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 state["slot"][new] = torch.arange(seen, seen + new.numel(), device=param.device)
                 state["rows_seen"] += new.numel()
                 slots = state["slot"][rows]
-            steps = state["steps"].index_select(0, slots).add_(1)
-            state["steps"].index_copy_(0, slots, steps)
-            chunk = max(1, ROW_CHUNK_ELEMENTS // param.shape[1]) if param.device.type == "cpu" else len(rows)
+            width = max(1, param.shape[1])
+            chunk = max(1, ROW_CHUNK_ELEMENTS // width) if param.device.type == "cpu" else len(rows)
             for start in range(0, len(rows), chunk):
                 part, at = rows[start : start + chunk], slots[start : start + chunk]
                 exp_avg = state["exp_avg"].index_select(0, at)
                 exp_avg_sq = state["exp_avg_sq"].index_select(0, at)
+                steps = state["steps"].index_select(0, at).add_(1)
                 weight = param.index_select(0, part).to(STATE_DTYPE)
                 grad = values[start : start + chunk].to(STATE_DTYPE)
-                self._update(weight, grad, exp_avg, exp_avg_sq, steps[start : start + chunk, None], group)
-                param.index_copy_(0, part, weight.to(param.dtype))
+                self._update(weight, grad, exp_avg, exp_avg_sq, steps[:, None], hyper)
+                param.index_copy_(0, part, weight.to(param.dtype))  # a chunk's rows, moments and counts together
                 state["exp_avg"].index_copy_(0, at, exp_avg)
                 state["exp_avg_sq"].index_copy_(0, at, exp_avg_sq)
+                state["steps"].index_copy_(0, at, steps)
 
     @staticmethod
     def _grow(state: dict, param: torch.Tensor, needed: int) -> None:
@@ -446,6 +472,14 @@ def build_optimizer(
     return RowSparseAdamW(groups, betas=betas, eps=args.adam_epsilon, write_behind=write_behind)
 
 
+def write_behind_default(model: nn.Module, args: TrainingArguments, sparse_table_grads: bool) -> bool:
+    """`StemTrainer`'s default for `write_behind_tables`: sparse table gradients, a trainable table in host memory, the
+    model on an accelerator (`args.device`: something computes while the host writes) and no `torch_compile` (a
+    compiled forward cannot wait for a write)."""
+    on_host = any(t.weight.requires_grad and t.weight.device.type == "cpu" for t in stem_tables(model))
+    return bool(sparse_table_grads and on_host and args.device.type != "cpu" and not args.torch_compile)
+
+
 class StemTrainer(Trainer):
     """`Trainer` that builds the optimizer of a training `recipe`.
 
@@ -523,10 +557,7 @@ class StemTrainer(Trainer):
                 "worker writes the rows of sparse gradients)"
             )
         if write_behind_tables is None:
-            on_host = any(t.weight.requires_grad and t.weight.device.type == "cpu" for t in stem_tables(self.model))
-            write_behind_tables = (
-                sparse_table_grads and on_host and self.args.device.type != "cpu" and not self.args.torch_compile
-            )
+            write_behind_tables = write_behind_default(self.model, self.args, sparse_table_grads)
         self.write_behind_tables = bool(write_behind_tables)
 
     def _tables_can_take_sparse_grads(self) -> bool:
@@ -547,13 +578,21 @@ class StemTrainer(Trainer):
         use_sparse_table_grads(self.model, enable=self.sparse_table_grads)
         try:
             result = super().train(*args, **kwargs)
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
-            if isinstance(optimizer, RowSparseAdamW):
-                optimizer.settle()  # the tables are final when train() returns
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._settle_tables()  # the error raised is the one to see; the tables are left readable
+            raise
+        else:
+            self._settle_tables()  # the tables are final when train() returns
             return result
         finally:
             for table, sparse in zip(tables, before, strict=True):
                 table.sparse = sparse
+
+    def _settle_tables(self) -> None:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        if isinstance(optimizer, RowSparseAdamW):
+            optimizer.settle()
 
     def _clip_grad_norm(self, model):
         if not self.sparse_table_grads:
@@ -630,6 +669,7 @@ def adam_state_bytes(model: nn.Module, rows_seen: int | None = None) -> dict[str
 __all__ = [
     "LORA_TARGETS",
     "PAPER_ARGUMENTS",
+    "DENSE_STEP_BYTES",
     "RECIPES",
     "ROW_CHUNK_ELEMENTS",
     "RowSparseAdamW",
@@ -643,4 +683,5 @@ __all__ = [
     "lora_config",
     "param_groups",
     "use_sparse_table_grads",
+    "write_behind_default",
 ]

@@ -2,9 +2,12 @@
 logic is checked with transformers' own expansion of the map, and the load and forward paths run with device maps on
 CPU; where CUDA is available, the device-map loads also run on it."""
 
+import copy
 import json
 import os
+import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -306,7 +309,7 @@ def test_tables_the_worker_cannot_serve_are_looked_up_by_the_table_itself(monkey
     assert not rows.pipelined(torch.nn.Embedding(4, 2, device="meta"))
 
 
-def _sgd_like_run(model, ids, write_behind: bool, steps: int = 3):
+def _adamw_steps(model, ids, write_behind: bool, steps: int = 3):
     from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
 
     use_sparse_table_grads(model.train())
@@ -327,7 +330,7 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     reference = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
-    _sgd_like_run(reference, ids, write_behind=False)
+    _adamw_steps(reference, ids, write_behind=False)
     with torch.no_grad():
         expected = reference(ids).logits
 
@@ -345,16 +348,16 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
     monkeypatch.setattr(RowSparseAdamW, "_row_update", held)
     torch.manual_seed(0)
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
-    optimizer = _sgd_like_run(model, ids, write_behind=True)
+    optimizer = _adamw_steps(model, ids, write_behind=True)
     assert holding.wait(timeout=30)
     assert set(writers) == {"stem-table-writer"} and len(writers) == 7  # the 7th is held, the others queue behind
     table = model.model.stem_tables["1"]
     assert not table.weight.stem_pending_write.done()  # step() has returned; the write has not
-    import copy
-
-    assert not hasattr(copy.deepcopy(table).weight, "stem_pending_write")
-    fetches.clear()
     threading.Timer(0.3, release.set).start()
+    copied = copy.deepcopy(table)  # waits for the write: a copy holds the written rows, and no pending write
+    assert not hasattr(copied.weight, "stem_pending_write")
+    torch.testing.assert_close(copied.weight, reference.model.stem_tables["1"].weight, rtol=0, atol=0)
+    fetches.clear()
     with torch.no_grad():
         got = model(ids).logits  # the worker's fetch waits for each table's write
     assert {t for _, t in fetches} == {"stem-host-rows"}
@@ -362,8 +365,7 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
     assert len(writers) == 9
     for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
-    optimizer.settle()
-    assert not hasattr(table.weight, "stem_pending_write")
+    assert not any(hasattr(t.weight, "stem_pending_write") for t in model.model.stem_tables.values())  # done: gone
 
     # A state dict loaded while a write is held (as Trainer's load_best_model_at_end may): the loaded rows stay.
     saved = copy.deepcopy(model.state_dict())
@@ -386,7 +388,7 @@ def test_an_error_in_a_write_behind_reaches_the_next_forward(monkeypatch):
     _host_served(monkeypatch)
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     ids = torch.tensor([[5, 6, 7, 8]])
-    optimizer = _sgd_like_run(model, ids, write_behind=True, steps=1)
+    optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)
     optimizer.settle()
 
     def broken(*args):
@@ -401,10 +403,71 @@ def test_an_error_in_a_write_behind_reaches_the_next_forward(monkeypatch):
         optimizer.settle()
 
 
+def test_settle_waits_for_every_write_and_raises_the_first_error_once(monkeypatch):
+    """The first table's write fails, the later ones are slow: settle() raises only once every write is done (none
+    still changes a table or the optimizer's state), and the markers are gone after it."""
+    from stem_hf.training import RowSparseAdamW
+
+    _host_served(monkeypatch)
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)
+    optimizer.settle()
+    tables = [model.model.stem_tables[k].weight for k in ("1", "2", "3")]
+    before = [t.detach().clone() for t in tables]
+    update, done = RowSparseAdamW._row_update, []
+
+    def failing_then_slow(self, param, *args):
+        if param is tables[0]:
+            raise RuntimeError("disk full while writing rows")
+        time.sleep(0.2)
+        update(self, param, *args)
+        done.append(param)
+
+    monkeypatch.setattr(RowSparseAdamW, "_row_update", failing_then_slow)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="disk full while writing rows"):
+        optimizer.settle()
+    assert len(done) == 2 and torch.equal(tables[0], before[0])
+    assert not any(torch.equal(t, b) for t, b in zip(tables[1:], before[1:], strict=True))
+    assert not any(hasattr(t, "stem_pending_write") for t in tables)
+    optimizer.settle()  # raised once: nothing left
+    model.state_dict()
+
+
+def test_a_copy_or_pickle_of_a_write_behind_optimizer_steps_in_step(monkeypatch):
+    _host_served(monkeypatch)
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)
+    for other in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer))):
+        assert other.write_behind is False and other.state_dict()["state"]  # the state came along
+        other.settle()
+
+
+def test_write_behind_is_the_default_only_with_host_tables_under_an_accelerator():
+    from types import SimpleNamespace
+
+    from stem_hf.training import write_behind_default
+
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3]).train()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert write_behind_default(model, SimpleNamespace(device=cuda, torch_compile=False), sparse_table_grads=True)
+    for args, sparse in (
+        (SimpleNamespace(device=cpu, torch_compile=False), True),  # nothing computes meanwhile
+        (SimpleNamespace(device=cuda, torch_compile=True), True),  # a compiled forward cannot wait
+        (SimpleNamespace(device=cuda, torch_compile=False), False),  # dense gradients are stepped in step
+    ):
+        assert not write_behind_default(model, args, sparse_table_grads=sparse)
+    model.model.stem_tables.requires_grad_(False)
+    assert not write_behind_default(model, SimpleNamespace(device=cuda, torch_compile=False), sparse_table_grads=True)
+
+
 def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(tmp_path, monkeypatch):
     """Accumulation, clipping and a learning-rate schedule that changes every step: the same weights, bit for bit."""
     from datasets import Dataset
-    from transformers import TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
 
     from stem_hf.training import RowSparseAdamW, StemTrainer
 
@@ -416,11 +479,20 @@ def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(
         seed=0, disable_tqdm=True,
     )  # fmt: skip
     _host_served(monkeypatch)
-    writers = []
+    writers, ended, step_ended = [], [0], threading.Condition()
     update = RowSparseAdamW._row_update
+
+    class StepEnds(TrainerCallback):  # after the optimizer's step, the scheduler's and zero_grad
+        def on_step_end(self, *args, **kwargs):
+            with step_ended:
+                ended[0] += 1
+                step_ended.notify_all()
 
     def recorded(self, *a):
         writers.append(threading.current_thread().name.split("_")[0])
+        if writers[-1] == "stem-table-writer":  # write only once the scheduler has moved the rate on
+            with step_ended:
+                assert step_ended.wait_for(lambda: ended[0] > (len(writers) - 1) // 3, timeout=30)
         update(self, *a)
 
     monkeypatch.setattr(RowSparseAdamW, "_row_update", recorded)
@@ -428,11 +500,55 @@ def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(
     for behind in (False, True):
         torch.manual_seed(0)
         model = sensitive_model(stem_layers=[1, 2, 3])
-        trainer = StemTrainer(model=model, args=args, train_dataset=data, write_behind_tables=behind)
+        trainer = StemTrainer(
+            model=model, args=args, train_dataset=data, write_behind_tables=behind, callbacks=[StepEnds()]
+        )
         writers.clear()
+        ended[0] = 0
         trainer.train()
         assert set(writers) == ({"stem-table-writer"} if behind else {"MainThread"}) and len(writers) == 9
         assert not any(hasattr(t.weight, "stem_pending_write") for t in model.model.stem_tables.values())
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_own(monkeypatch):
+    """A DataLoader forks its workers right after a step: no write may be mid-way in the child's copy of the tables,
+    and the child, which has no writer thread, gets one of its own."""
+    from stem_hf import training
+    from stem_hf.training import RowSparseAdamW
+
+    _host_served(monkeypatch)
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)
+    optimizer.settle()
+    release, update = threading.Event(), RowSparseAdamW._row_update
+
+    def held(self, *args):
+        assert release.wait(timeout=30)
+        update(self, *args)
+
+    monkeypatch.setattr(RowSparseAdamW, "_row_update", held)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    threading.Timer(0.3, release.set).start()
+    read, write = os.pipe()
+    pid = os.fork()  # waits for the held writes first
+    if pid == 0:
+        try:
+            tables = model.model.stem_tables.values()
+            ok = not any(hasattr(t.weight, "stem_pending_write") for t in tables) and training._TABLE_WRITER is None
+            ok = ok and training._table_writer().submit(lambda: 42).result(timeout=10) == 42
+            os.write(write, b"1" if ok else b"0")
+        except BaseException:
+            os.write(write, b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    assert release.is_set()

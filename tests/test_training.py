@@ -66,8 +66,14 @@ def test_param_groups_keep_tables_and_norms_out_of_weight_decay():
     assert all("stem_tables" not in n and "norm" not in n for n in decay)
 
 
-def test_dense_groups_match_torch_adamw():
-    """Bit for bit torch's foreach AdamW, with weight decay, a parameter left out of a step and a second group."""
+@pytest.mark.parametrize("batch_bytes", [None, 64])
+def test_dense_groups_match_torch_adamw(monkeypatch, batch_bytes):
+    """Bit for bit torch's foreach AdamW, with weight decay, a parameter left out of a step and a second group; also
+    when the parameters are updated in batches of at most 64 bytes (one each, here)."""
+    from stem_hf import training
+
+    if batch_bytes is not None:
+        monkeypatch.setattr(training, "DENSE_STEP_BYTES", batch_bytes)
     torch.manual_seed(0)
     ours = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     ref = copy.deepcopy(ours)
