@@ -9,7 +9,7 @@ uniform or Zipf-distributed:
   accelerator's work) when it writes the rows itself and when a worker writes them behind, and how long until the
   rows are written.
 
-    .venv/bin/python benchmarks/bench_row_step.py      # JSON on stdout and in benchmarks/results/bench_row_step.json
+    .venv/bin/python benchmarks/bench_row_step.py --repeats 7     # JSON in benchmarks/results/bench_row_step.json
 
 How much of the writing a GPU hides is `bench_gpu.py`'s `host_row_sparse_adamw_write_behind` (it needs a GPU).
 """
@@ -45,7 +45,10 @@ def sparse_grad(rows: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def tables(n: int) -> list[torch.nn.Parameter]:
-    return [torch.nn.Parameter(torch.randn(VOCAB, D_FF) * 0.02) for _ in range(n)]
+    params = [torch.nn.Parameter(torch.randn(VOCAB, D_FF) * 0.02) for _ in range(n)]
+    for param in params:
+        param.stem_reads_wait = True  # as `StemTables.train()` marks a model's tables (only this script reads these)
+    return params
 
 
 def run_row_step(kind: str, repeats: int) -> dict:

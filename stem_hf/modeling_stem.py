@@ -224,7 +224,8 @@ def settle(weight: torch.Tensor) -> None:
     """Waits for a write of `weight` still running on another thread and raises what it raised. A writer
     (`stem_hf.training.RowSparseAdamW(write_behind=True)`, which steps host tables while the accelerator goes on)
     leaves it in `weight.stem_pending_write`, an object with `result()`: on the weight itself, so that every copy of
-    this file (the package's, a checkpoint's remote code) sees it."""
+    this file (the package's, a checkpoint's remote code) sees it. A writer writes behind only a weight marked
+    `stem_reads_wait` (by `StemTables.train()`): an older copy of this file, which does not wait, never marks one."""
     write = getattr(weight, "stem_pending_write", None)  # None: a constant under torch.compile
     if write is not None:
         write.result()
@@ -489,6 +490,7 @@ class StemTables(nn.ModuleDict):
             trainable = [t.weight for t in self.values() if t.weight.requires_grad]
             for weight in trainable:
                 weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
+                weight.stem_reads_wait = True  # this file's reads of it wait for a write behind: one may be made
             global _OPTIMIZER_HOOK
             if trainable and _OPTIMIZER_HOOK is None:
                 _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)

@@ -144,7 +144,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     groups take torch's multi-tensor (foreach) AdamW update, a fixed number of kernels per group whatever its
     parameter count; tables in host memory are updated in chunks of `ROW_CHUNK_ELEMENTS`.
 
-    `write_behind=True`: the sparse-gradient rows of tables in host memory are written by a worker thread, and `step`
+    `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
+    `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
     returns once they are queued, so the accelerator goes on (the dense step, the next batch's layers) while the host
     updates the tables. The model reads a table only after its write (`modeling_stem.settle`: the row fetch of that
     layer, a state dict, a cast), as does this optimizer (`step`, `state_dict`, `load_state_dict`, `settle`). Read
@@ -269,7 +270,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         if sparse:  # `sparse_table_grads`: the batch's rows only, never a [vocab, d_ff] tensor
             grad = param.grad.coalesce()
             rows, values = grad.indices()[0], grad.values()  # survive a zero_grad: it swaps the sparse grad's tensors
-            if self.write_behind and param.device.type == "cpu":
+            if self.write_behind and param.device.type == "cpu" and getattr(param, "stem_reads_wait", False):
                 write = TableWrite()
                 write.set_running_or_notify_cancel()  # queued is as good as running: it cannot be cancelled
                 param.stem_pending_write = write  # what the model's reads of this table wait for

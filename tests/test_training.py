@@ -302,6 +302,22 @@ def test_bad_optimizer_settings_are_clear_errors():
         opt.step()
 
 
+def test_only_tables_whose_model_waits_for_writes_are_written_behind():
+    """A table no STEM model marked (`StemTables.train()` sets `stem_reads_wait`): nothing would wait for a write
+    behind, so it is written in step; a marked one is written behind."""
+    table = torch.nn.Embedding(50, 8, sparse=True)
+    opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, write_behind=True)
+    for marked in (False, True):
+        if marked:
+            table.weight.stem_reads_wait = True
+        before = table.weight.detach().clone()
+        table(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        assert bool(opt._writes) is marked
+        opt.settle()
+        assert not torch.equal(table.weight, before)
+
+
 def test_write_behind_needs_the_row_sparse_optimizer_and_sparse_table_grads(tmp_path):
     model = _stem()
     with pytest.raises(ValueError, match="only RowSparseAdamW's row-sparse table groups"):
