@@ -424,7 +424,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
     Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
     decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
-    Trainer's groups. A group marked `decay_tables=True` decays them on purpose (the paper's recipe): no warning."""
+    Trainer's groups. A group marked `decay_tables=True` decays them on purpose (the paper's recipe): no warning. Warns
+    once per optimizer that steps host tables with dense gradients for a model elsewhere (a plain `Trainer`)."""
     tables = getattr(optimizer, "_stem_tables", None)
     if tables is None:
         tables = optimizer._stem_tables = [
@@ -437,6 +438,16 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "
                 "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
                 "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
+            )
+        host = [p for _, p in tables if p.device.type == "cpu" and p.grad is not None and not p.grad.is_sparse]
+        elsewhere = any(p.device.type != "cpu" for group in optimizer.param_groups for p in group["params"])
+        if host and elsewhere:  # the plain Trainer path over host tables: correct, and slow
+            gib = sum(p.numel() * p.grad.element_size() for p in host) / 2**30
+            logger.warning(
+                f"{type(optimizer).__name__} steps STEM tables in host memory with dense gradients: every backward "
+                f"builds [vocab, d_ff] gradients on the host ({gib:.2f} GiB) and every step reads all of them, however "
+                "few rows the batch holds. stem_hf.training.StemTrainer gives the tables sparse gradients of the "
+                "batch's rows and updates those rows only"
             )
     for _, param in tables:
         settle(param)  # its state may still be written behind

@@ -417,3 +417,38 @@ def test_convert_heals_on_cuda_with_auto_precision_and_saves_a_model_that_loads(
     ids = _ids((2, 11), vocab=64)
     with torch.no_grad():
         _assert_close(stem(ids.to(CUDA)).logits, reloaded(ids).logits, FP32_TOL)
+
+
+def test_a_stem_trainer_on_cuda_writes_host_tables_behind_by_default_and_trains_as_in_step(tmp_path):
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from stem_hf.training import StemTrainer
+
+    rows = _ids((8, 10), seed=2).tolist()
+    data = Dataset.from_list([{"input_ids": row, "labels": row} for row in rows])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        learning_rate=1e-2, max_grad_norm=0.5, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    models = []
+    for behind in (None, False):
+        torch.manual_seed(0)
+        model = sensitive_model(table_dtype="float32")
+        trainer = StemTrainer(model=model, args=args, train_dataset=data, write_behind_tables=behind)
+        assert trainer.write_behind_tables is (behind is None)  # the default on a GPU with host tables
+        trainer.train()
+        assert all(t.weight.device.type == "cpu" for t in model.model.stem_tables.values())
+        models.append(model)
+    for a, b in zip(models[1].parameters(), models[0].parameters(), strict=True):
+        _assert_close(b.detach().cpu(), a.detach().cpu(), FP32_TOL)
+
+
+def test_torch_adamw_over_the_host_tables_of_a_cuda_model_is_named(caplog):
+    model = tiny_model(table_dtype="float32").to(CUDA).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = _ids((1, 8)).to(CUDA)
+    model(ids, labels=ids).loss.backward()
+    with caplog.at_level("WARNING"):
+        optimizer.step()
+    assert "steps STEM tables in host memory with dense gradients" in caplog.text

@@ -610,6 +610,30 @@ def test_an_optimizer_that_decays_tables_is_named_once(caplog):
     assert caplog.text.count("applies weight_decay=0.1 to STEM tables") == 1
 
 
+def test_an_optimizer_stepping_host_tables_with_dense_gradients_for_a_model_elsewhere_is_named_once(caplog):
+    """A plain Trainer over a model on an accelerator with its tables in host memory: dense [vocab, d_ff] gradients on
+    the host. (Here the model's other part is a stand-in parameter on the meta device; test_gpu.py runs it on CUDA.)"""
+    model = tiny_model(table_dtype="float32").train()
+    elsewhere = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    optimizer = torch.optim.AdamW([*model.parameters(), elsewhere], lr=1e-3, weight_decay=0.0)
+    model(IDS, labels=IDS).loss.backward()
+    with caplog.at_level("WARNING"):
+        optimizer.step()
+        optimizer.step()
+    assert caplog.text.count("steps STEM tables in host memory with dense gradients") == 1
+    caplog.clear()
+    for cpu_only in (torch.optim.AdamW(model.parameters(), lr=1e-3), RowSparseAdamW(model.parameters())):
+        with caplog.at_level("WARNING"):
+            cpu_only.step()  # everything on the CPU: nothing to say
+    use_sparse_table_grads(model)
+    model.zero_grad()
+    model(IDS, labels=IDS).loss.backward()
+    sparse = RowSparseAdamW([*param_groups(model, 1e-3, row_sparse_tables=True), {"params": [elsewhere]}])
+    with caplog.at_level("WARNING"):
+        sparse.step()  # sparse gradients: the batch's rows only
+    assert "dense gradients" not in caplog.text
+
+
 def test_a_plain_trainer_resumes_a_bf16_checkpoint_whose_tables_it_upcast(tmp_path):
     tiny_model(table_dtype="bfloat16").save_pretrained(tmp_path / "ck")
     data = [{"input_ids": IDS[0], "labels": IDS[0]}] * 4
