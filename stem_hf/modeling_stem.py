@@ -419,6 +419,10 @@ class StemSoftPromptRows:
 _OPTIMIZER_HOOK = None  # the handle of `_check_optimizer`, registered at most once per process
 
 
+def _on_accelerator(param: torch.Tensor) -> bool:
+    return param.device.type not in ("cpu", "meta")
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
     table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
@@ -439,16 +443,24 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
                 "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
             )
-        host = [p for _, p in tables if p.device.type == "cpu" and p.grad is not None and not p.grad.is_sparse]
-        elsewhere = any(p.device.type != "cpu" for group in optimizer.param_groups for p in group["params"])
-        if host and elsewhere:  # the plain Trainer path over host tables: correct, and slow
+        # The plain Trainer path over host tables: correct, and slow. The paper's recipe is dense on purpose.
+        host = [
+            p
+            for g, p in tables
+            if p.device.type == "cpu" and p.grad is not None and not p.grad.is_sparse and not g.get("decay_tables")
+        ]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if host and any(p.grad is not None and _on_accelerator(p) for p in params):
             gib = sum(p.numel() * p.grad.element_size() for p in host) / 2**30
             logger.warning(
                 f"{type(optimizer).__name__} steps STEM tables in host memory with dense gradients: every backward "
                 f"builds [vocab, d_ff] gradients on the host ({gib:.2f} GiB) and every step reads all of them, however "
-                "few rows the batch holds. stem_hf.training.StemTrainer gives the tables sparse gradients of the "
-                "batch's rows and updates those rows only"
+                "few rows the batch holds. Sparse table gradients (stem_hf.training.StemTrainer's default recipe) "
+                "give the batch's rows only and update those rows only"
             )
+    own = getattr(optimizer, "settle", None)
+    if callable(own):
+        own()  # an optimizer that writes tables behind: waits for all its writes, and raises a failure once
     for _, param in tables:
         settle(param)  # its state may still be written behind
         if param.dtype != torch.float32:

@@ -12,6 +12,7 @@
 import contextlib
 import copy
 import os
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -89,8 +90,12 @@ def _forget_table_writer() -> None:
 
 
 def _drain_table_writer() -> None:
-    """Before a fork (a DataLoader's workers at each epoch): no write is mid-way, and none is left for the child."""
-    if _TABLE_WRITER is not None:
+    """Before a fork (a DataLoader's workers at each epoch): no write is mid-way, and none is left for the child.
+    Registered after concurrent.futures' own fork hook (imported above), so it runs before that one takes the lock
+    `submit` needs."""
+    if _TABLE_WRITER is None or threading.current_thread().name.startswith("stem-table-writer"):
+        return
+    with contextlib.suppress(RuntimeError):  # the interpreter is shutting down: no writer runs any more
         _TABLE_WRITER.submit(lambda: None).result()
 
 
@@ -148,8 +153,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
     returns once they are queued, so the accelerator goes on (the dense step, the next batch's layers) while the host
     updates the tables. The model reads a table only after its write (`modeling_stem.settle`: the row fetch of that
-    layer, a state dict, a cast), as does this optimizer (`step`, `state_dict`, `load_state_dict`, `settle`). Read
-    `table.weight` yourself only after `settle()`.
+    layer, a state dict, a cast, a copy), as does this optimizer (`step`, `state_dict`, `load_state_dict`, a copy or
+    pickle, `settle`). Read `table.weight` yourself only after `settle()`.
     """
 
     def __init__(
@@ -201,14 +206,19 @@ class RowSparseAdamW(torch.optim.Optimizer):
     def settle(self) -> None:
         """Waits for every table write `step` left behind, then raises the first error among them, once: the tables'
         markers are gone after it."""
-        writes, self._writes = self._writes, []
+        writes = self._writes
         errors = [write.exception() for _, write in writes]  # waits for each, even after one failed
+        self._writes = []
         for param, write in writes:
             if param.__dict__.get("stem_pending_write") is write:
                 del param.stem_pending_write
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
+
+    def __getstate__(self) -> dict:
+        self.settle()  # a copy or pickle takes the written rows' state, never a half-written one
+        return super().__getstate__()
 
     def __setstate__(self, state: dict) -> None:
         # torch's Optimizer pickles and copies defaults, state and groups only: a copy writes in step, with no writes.

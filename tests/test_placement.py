@@ -436,14 +436,33 @@ def test_settle_waits_for_every_write_and_raises_the_first_error_once(monkeypatc
     model.state_dict()
 
 
-def test_a_copy_or_pickle_of_a_write_behind_optimizer_steps_in_step(monkeypatch):
+def test_a_copy_or_pickle_of_a_write_behind_optimizer_waits_for_the_writes_and_steps_in_step(monkeypatch):
+    from stem_hf.training import RowSparseAdamW
+
     _host_served(monkeypatch)
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     ids = torch.tensor([[5, 6, 7, 8]])
-    optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)
-    for other in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer))):
-        assert other.write_behind is False and other.state_dict()["state"]  # the state came along
+    release, update = threading.Event(), RowSparseAdamW._row_update
+
+    def held(self, *args):
+        assert release.wait(timeout=30)
+        update(self, *args)
+
+    monkeypatch.setattr(RowSparseAdamW, "_row_update", held)
+    optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)  # its first writes are held
+    for make in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
+        threading.Timer(0.2, release.set).start()
+        other = make(optimizer)
+        release.clear()
+        table = model.model.stem_tables["2"].weight
+        state = other.state_dict()["state"][_index(optimizer, table)]
+        assert int(state["rows_seen"]) == 3  # written: the rows of 5, 6, 7 (the last position predicts nothing)
+        assert other.write_behind is False and not other._writes
         other.settle()
+
+
+def _index(optimizer, param) -> int:
+    return next(i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]) if p is param)
 
 
 def test_write_behind_is_the_default_only_with_host_tables_under_an_accelerator():

@@ -69,7 +69,7 @@ def test_param_groups_keep_tables_and_norms_out_of_weight_decay():
 @pytest.mark.parametrize("batch_bytes", [None, 64])
 def test_dense_groups_match_torch_adamw(monkeypatch, batch_bytes):
     """Bit for bit torch's foreach AdamW, with weight decay, a parameter left out of a step and a second group; also
-    when the parameters are updated in batches of at most 64 bytes (one each, here)."""
+    when the parameters are updated in batches of at most 64 bytes (one or two small ones each, here)."""
     from stem_hf import training
 
     if batch_bytes is not None:
@@ -610,13 +610,28 @@ def test_an_optimizer_that_decays_tables_is_named_once(caplog):
     assert caplog.text.count("applies weight_decay=0.1 to STEM tables") == 1
 
 
-def test_an_optimizer_stepping_host_tables_with_dense_gradients_for_a_model_elsewhere_is_named_once(caplog):
+def test_an_optimizer_stepping_host_tables_with_dense_gradients_for_a_model_elsewhere_is_named_once(
+    caplog, monkeypatch
+):
     """A plain Trainer over a model on an accelerator with its tables in host memory: dense [vocab, d_ff] gradients on
-    the host. (Here the model's other part is a stand-in parameter on the meta device; test_gpu.py runs it on CUDA.)"""
+    the host. (Here the accelerator is a stand-in parameter on the meta device, counted as one; test_gpu.py runs it
+    on CUDA.) Not for the paper's recipe, dense on purpose."""
+    from stem_hf import modeling_stem
+
     model = tiny_model(table_dtype="float32").train()
     elsewhere = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
-    optimizer = torch.optim.AdamW([*model.parameters(), elsewhere], lr=1e-3, weight_decay=0.0)
+    elsewhere.grad = torch.empty(4, 4, device="meta")
     model(IDS, labels=IDS).loss.backward()
+    optimizer = torch.optim.AdamW([*model.parameters(), elsewhere], lr=1e-3, weight_decay=0.0)
+    with caplog.at_level("WARNING"):
+        optimizer.step()  # meta is not an accelerator: offloaded weights
+    assert "dense gradients" not in caplog.text
+    monkeypatch.setattr(modeling_stem, "_on_accelerator", lambda p: p.device.type != "cpu")
+    optimizer = torch.optim.AdamW([*model.parameters(), elsewhere], lr=1e-3, weight_decay=0.0)
+    paper = torch.optim.AdamW([{"params": [*model.parameters(), elsewhere], "decay_tables": True}], lr=1e-3)
+    with caplog.at_level("WARNING"):
+        paper.step()
+    assert "dense gradients" not in caplog.text
     with caplog.at_level("WARNING"):
         optimizer.step()
         optimizer.step()
