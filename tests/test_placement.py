@@ -278,12 +278,16 @@ def test_a_forked_child_gets_a_host_row_worker_of_its_own(monkeypatch):
     with torch.no_grad():
         sensitive_model(stem_layers=[1, 2, 3])(torch.tensor([[5, 6, 7]]))  # the parent's worker now exists
     assert modeling_stem._ROW_WORKER is not None
+    assert _in_forked_child(lambda: modeling_stem._row_worker().submit(lambda: 42).result(timeout=10) == 42)
+
+
+def _in_forked_child(check) -> bool:
+    """What `check()` returns in a forked child (False if it raises)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            done = modeling_stem._row_worker().submit(lambda: 42).result(timeout=10) == 42
-            os.write(write, b"1" if done else b"0")
+            os.write(write, b"1" if check() else b"0")
         except BaseException:
             os.write(write, b"0")
         finally:
@@ -291,7 +295,7 @@ def test_a_forked_child_gets_a_host_row_worker_of_its_own(monkeypatch):
     os.close(write)
     answer = os.read(read, 1)
     os.waitpid(pid, 0)
-    assert answer == b"1"
+    return answer == b"1"
 
 
 def test_tables_the_worker_cannot_serve_are_looked_up_by_the_table_itself(monkeypatch):
@@ -554,20 +558,11 @@ def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_o
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     threading.Timer(0.3, release.set).start()
-    read, write = os.pipe()
-    pid = os.fork()  # waits for the held writes first
-    if pid == 0:
-        try:
-            tables = model.model.stem_tables.values()
-            ok = not any(hasattr(t.weight, "stem_pending_write") for t in tables) and training._TABLE_WRITER is None
-            ok = ok and training._table_writer().submit(lambda: 42).result(timeout=10) == 42
-            os.write(write, b"1" if ok else b"0")
-        except BaseException:
-            os.write(write, b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    answer = os.read(read, 1)
-    os.waitpid(pid, 0)
-    assert answer == b"1"
+
+    def child() -> bool:
+        tables = model.model.stem_tables.values()
+        ok = not any(hasattr(t.weight, "stem_pending_write") for t in tables) and training._TABLE_WRITER is None
+        return ok and training._table_writer().submit(lambda: 42).result(timeout=10) == 42
+
+    assert _in_forked_child(child)  # the fork waits for the held writes first
     assert release.is_set()
