@@ -458,9 +458,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 "few rows the batch holds. Sparse table gradients (stem_hf.training.StemTrainer's default recipe) "
                 "give the batch's rows only and update those rows only"
             )
-    own = getattr(optimizer, "settle", None)
-    if callable(own):
-        own()  # an optimizer that writes tables behind: waits for all its writes, and raises a failure once
+    if getattr(optimizer, "write_behind", False):  # stem_hf's RowSparseAdamW: waits for all its writes, raises once
+        optimizer.settle()
     for _, param in tables:
         settle(param)  # its state may still be written behind
         if param.dtype != torch.float32:

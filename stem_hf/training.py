@@ -43,11 +43,11 @@ PAPER_ARGUMENTS = {
 RECIPES = ("stem-hf", "paper")
 _PAPER_ARGUMENTS = copy.deepcopy(PAPER_ARGUMENTS)  # what the check compares with: `TrainingArguments` keeps the dict
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
-# Elements of a host table's rows updated per pass: weight, moments and gradient of a chunk stay in cache through the
-# update's passes and its temporaries are reused, where whole-batch temporaries would be fresh pages every step.
+# Elements of a host table's rows updated per pass: a chunk's temporaries reuse a few megabytes, where whole-batch
+# temporaries would be fresh, page-faulted memory at every step.
 ROW_CHUNK_ELEMENTS = 1 << 20
 # Float32 bytes of dense parameters updated by one set of foreach operations: each operation is one kernel for many
-# parameters, and the fp32 copies and temporaries it makes stay within this much.
+# parameters, and the fp32 copies and temporaries it makes scale with this much, not with the whole group.
 DENSE_STEP_BYTES = 1 << 28
 _TABLE_WRITER: ThreadPoolExecutor | None = None
 
@@ -146,8 +146,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     per row (torch's SparseAdam keeps one per parameter). Moments are kept for rows that have had a gradient, in slots
     allocated on first use (capacity doubles as needed: up to 2x the rows seen), plus one int64 slot index per table
     row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows. Dense
-    groups take torch's multi-tensor (foreach) AdamW update, a fixed number of kernels per group whatever its
-    parameter count; tables in host memory are updated in chunks of `ROW_CHUNK_ELEMENTS`.
+    groups take torch's multi-tensor (foreach) AdamW update, a fixed number of kernels per `DENSE_STEP_BYTES` of
+    parameters whatever their count; tables in host memory are updated in chunks of `ROW_CHUNK_ELEMENTS`.
 
     `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
     `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
