@@ -79,9 +79,14 @@ def _write(write: TableWrite, param: torch.Tensor, update: Callable[..., None], 
         write.set_exception(error)
         return
     # Before the result: the optimizer sets a new marker only after this write's result, so none is removed here.
+    _unmark(param, write)
+    write.set_result(None)
+
+
+def _unmark(param: torch.Tensor, write: TableWrite) -> None:
+    """Removes `write`'s marker from `param`, unless a later write has put its own there."""
     if param.__dict__.get("stem_pending_write") is write:
         del param.stem_pending_write
-    write.set_result(None)
 
 
 def _forget_table_writer() -> None:
@@ -210,8 +215,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         errors = [write.exception() for _, write in writes]  # waits for each, even after one failed
         self._writes = []
         for param, write in writes:
-            if param.__dict__.get("stem_pending_write") is write:
-                del param.stem_pending_write
+            _unmark(param, write)
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error

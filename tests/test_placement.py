@@ -441,18 +441,11 @@ def test_settle_waits_for_every_write_and_raises_the_first_error_once(monkeypatc
 
 
 def test_a_copy_or_pickle_of_a_write_behind_optimizer_waits_for_the_writes_and_steps_in_step(monkeypatch):
-    from stem_hf.training import RowSparseAdamW
 
     _host_served(monkeypatch)
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     ids = torch.tensor([[5, 6, 7, 8]])
-    release, update = threading.Event(), RowSparseAdamW._row_update
-
-    def held(self, *args):
-        assert release.wait(timeout=30)
-        update(self, *args)
-
-    monkeypatch.setattr(RowSparseAdamW, "_row_update", held)
+    release = _held_writes(monkeypatch)
     optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)  # its first writes are held
     for make in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
         threading.Timer(0.2, release.set).start()
@@ -463,6 +456,20 @@ def test_a_copy_or_pickle_of_a_write_behind_optimizer_waits_for_the_writes_and_s
         assert int(state["rows_seen"]) == 3  # written: the rows of 5, 6, 7 (the last position predicts nothing)
         assert other.write_behind is False and not other._writes
         other.settle()
+
+
+def _held_writes(monkeypatch) -> threading.Event:
+    """Holds every table write on the writer thread until the returned event is set."""
+    from stem_hf.training import RowSparseAdamW
+
+    release, update = threading.Event(), RowSparseAdamW._row_update
+
+    def held(self, *args):
+        assert release.wait(timeout=30)
+        update(self, *args)
+
+    monkeypatch.setattr(RowSparseAdamW, "_row_update", held)
+    return release
 
 
 def _index(optimizer, param) -> int:
@@ -541,20 +548,13 @@ def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_o
     """A DataLoader forks its workers right after a step: no write may be mid-way in the child's copy of the tables,
     and the child, which has no writer thread, gets one of its own."""
     from stem_hf import training
-    from stem_hf.training import RowSparseAdamW
 
     _host_served(monkeypatch)
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     ids = torch.tensor([[5, 6, 7, 8]])
     optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)
     optimizer.settle()
-    release, update = threading.Event(), RowSparseAdamW._row_update
-
-    def held(self, *args):
-        assert release.wait(timeout=30)
-        update(self, *args)
-
-    monkeypatch.setattr(RowSparseAdamW, "_row_update", held)
+    release = _held_writes(monkeypatch)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     threading.Timer(0.3, release.set).start()
