@@ -82,9 +82,10 @@ IGNORED_KWARGS = frozenset({"token_type_ids"})
 def check_model_kwargs(owner: str, kwargs: dict) -> None:
     """Raises on a keyword a model forward would otherwise swallow into `**kwargs` (a cache under an unknown name would
     be ignored, silently); drops the `IGNORED_KWARGS`."""
-    for name in IGNORED_KWARGS & kwargs.keys():
+    # Membership tests, not set algebra on `kwargs.keys()`: torch 2.11's dynamo cannot trace `frozenset & dict_keys`.
+    for name in [name for name in kwargs if name in IGNORED_KWARGS]:
         del kwargs[name]
-    unknown = sorted(kwargs.keys() - MODEL_KWARGS)
+    unknown = sorted(name for name in kwargs if name not in MODEL_KWARGS)
     if unknown:
         raise TypeError(
             f"{owner}.forward got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: it takes "
