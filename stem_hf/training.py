@@ -282,8 +282,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         hyper = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}  # as of now: the scheduler moves lr
         sparse = param.grad.is_sparse
         if sparse:  # `sparse_table_grads`: the batch's rows only, never a [vocab, d_ff] tensor
-            grad = param.grad.coalesce()
-            rows, values = grad.indices()[0], grad.values()  # survive a zero_grad: it swaps the sparse grad's tensors
+            rows, values = sparse_rows(param.grad)  # survive a zero_grad: it swaps the sparse grad's tensors
             if self.write_behind and param.device.type == "cpu" and getattr(param, "stem_reads_wait", False):
                 write = TableWrite()
                 write.set_running_or_notify_cancel()  # queued is as good as running: it cannot be cancelled
@@ -409,6 +408,20 @@ def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
         table.sparse = enable
 
 
+def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of a sparse table gradient and their gradients, coalesced only where rows repeat. A host
+    table's gradient comes with distinct, sorted rows, but autograd's accumulation drops the flag that says so, and
+    coalescing on the host sorts and copies every value again."""
+    if grad.is_coalesced():
+        return grad.indices()[0], grad.values()
+    if grad.device.type == "cpu":
+        rows = grad._indices()[0]
+        if bool((rows[1:] > rows[:-1]).all()):  # strictly increasing: distinct and sorted, as coalesced
+            return rows, grad._values()
+    grad = grad.coalesce()
+    return grad.indices()[0], grad.values()
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` (2-norm over all gradients) that also takes sparse gradients, which torch's
@@ -418,7 +431,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
         return torch.tensor(0.0)
     squares = []
     for grad in grads:
-        values = grad.coalesce().values() if grad.is_sparse else grad
+        values = sparse_rows(grad)[1] if grad.is_sparse else grad
         squares.append(torch.linalg.vector_norm(values.float()).square().to(grads[0].device))
     total = torch.stack(squares).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -697,6 +710,7 @@ __all__ = [
     "clip_grad_norm",
     "lora_config",
     "param_groups",
+    "sparse_rows",
     "use_sparse_table_grads",
     "write_behind_default",
 ]

@@ -268,6 +268,34 @@ def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monke
     assert not torch.equal(models[1].model.stem_tables["2"].weight, initial)  # the tables did train
 
 
+def test_host_table_row_gradients_are_stepped_and_clipped_without_a_coalesce(monkeypatch):
+    """A host table's gradient has distinct sorted rows; the optimizer and clipping take them as they are (autograd
+    drops the coalesced flag, and a coalesce on the host copies every row again), with the update of coalesced ones."""
+    from stem_hf.training import RowSparseAdamW, clip_grad_norm, param_groups, use_sparse_table_grads
+
+    _host_served(monkeypatch)
+    ids = torch.tensor([[5, 9, 5, 2, 40], [9, 9, 1, 5, 77]])
+    torch.manual_seed(0)
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    use_sparse_table_grads(model)
+    model(input_ids=ids, labels=ids).loss.backward()
+    reference = copy.deepcopy(model)  # the weights; its gradients are the model's, coalesced
+    for param, copied in zip(model.parameters(), reference.parameters(), strict=True):
+        if param.grad is not None:
+            copied.grad = param.grad.coalesce() if param.grad.is_sparse else param.grad.clone()
+    coalesced = []
+    coalesce = torch.Tensor.coalesce
+    monkeypatch.setattr(torch.Tensor, "coalesce", lambda self: coalesced.append(self) or coalesce(self))
+    norms = []
+    for m in (model, reference):
+        norms.append(clip_grad_norm(m.parameters(), 0.5))
+        RowSparseAdamW(param_groups(m, 1e-2, 0.1, row_sparse_tables=True)).step()
+    assert not coalesced
+    assert torch.equal(norms[0], norms[1])
+    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_gets_a_host_row_worker_of_its_own(monkeypatch):
     """The parent's worker thread does not survive a fork: given the parent's executor, a child's fetch would wait

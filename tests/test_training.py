@@ -20,6 +20,7 @@ from stem_hf.training import (
     build_optimizer,
     clip_grad_norm,
     param_groups,
+    sparse_rows,
     use_sparse_table_grads,
 )
 from tests.conftest import _dataset, tiny_model
@@ -244,6 +245,18 @@ def test_sparse_table_grads_give_the_updates_of_dense_ones_and_clip_the_same():
     plain(input_ids=ids, labels=labels).loss.backward()
     expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)  # torch's, on dense gradients
     assert norms[0] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_sparse_rows_coalesce_only_where_rows_repeat_or_come_unsorted():
+    values = torch.randn(3, 4)
+    for indices in ([1, 4, 7], [4, 1, 4], [7, 1, 4]):
+        grad = torch.sparse_coo_tensor(torch.tensor([indices]), values[: len(indices)], (9, 4))
+        assert not grad.is_coalesced()
+        rows, got = sparse_rows(grad)
+        expected = grad.coalesce()
+        assert torch.equal(rows, expected.indices()[0]) and torch.equal(got, expected.values())
+        # Distinct sorted rows are handed on as they are, without the copy a coalesce makes.
+        assert (got.data_ptr() == grad._values().data_ptr()) is (indices == [1, 4, 7])
 
 
 def test_a_row_in_the_batch_without_gradient_stays_put_with_sparse_gradients():
