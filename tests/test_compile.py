@@ -287,6 +287,29 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         assert row["predicted_speedup"] > 1 and row["adamw"]["ms"] > 0 and row["row_sparse_adamw"]["ms"] > 0
     for batch in ("batch_1", "batch_2"):
         assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True
+        assert report["decode"][batch]["dense_same_tokens_across_runs"] is True  # a CPU's kernels: repeatable
+        assert report["decode"][batch]["resident"]["same_tokens_across_runs"] is True
+
+
+def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
+    """`benchmarks/profile_gpu.py` at a tiny shape on the CPU (the host-table variants need an accelerator): each
+    variant's totals, and its top operators, the FFN's matrix products among them."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "profile.json"
+    command = [sys.executable, os.path.join(root, "benchmarks/profile_gpu.py"), "--device", "cpu", "--shape", "tiny",
+               "--batch-size", "2", "--seq-len", "16", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    expected = {"prefill_dense", "prefill_stem_full_resident", "train_dense", "train_stem_1_2_resident"}
+    assert expected <= report.keys() and not any(k.endswith("_host") for k in report)
+    for name in expected:
+        row = report[name]
+        assert row["wall_ms"] > 0 and row["device_ms"] > 0 and row["host_ms"] > 0
+        assert "aten::mm" in {op["op"] for op in row["top_device"]}
+    bad = subprocess.run(command[:2] + ["--only", "prefill_nope"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    assert bad.returncode == 2 and "prefill_nope" in bad.stderr
 
 
 # An out-of-range id under torch.compile (issue 23; issue 36 changed what a compiled forward does)

@@ -1,0 +1,122 @@
+"""Where the time goes: `torch.profiler` over one prefill (dense, STEM-full resident, STEM-1/2 with host tables) and one
+train step (dense and STEM-1/2 resident with `RowSparseAdamW`, STEM-1/2 with host tables) at `bench_gpu.py`'s shapes.
+Saves, per variant, the step's wall time, the device's kernel time, the operators' own host time, and the operators
+that take the most device time and the most host time.
+
+    python benchmarks/profile_gpu.py                          # CUDA, the 0.75B shape, batch 8 x 1024
+    python benchmarks/profile_gpu.py --device cpu --shape tiny --seq-len 64 --out /tmp/profile.json
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from bench_gpu import VOCAB, build, free, save, sync, to_host, token_ids
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from stem_hf.cli_args import positive_int
+from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
+
+VARIANTS = {  # name: (what, STEM spec or None for dense, tables in host memory)
+    "prefill_dense": ("prefill", None, False),
+    "prefill_stem_full_resident": ("prefill", "full", False),
+    "prefill_stem_1_2_host": ("prefill", "1/2", True),
+    "train_dense": ("train", None, False),
+    "train_stem_1_2_resident": ("train", "1/2", False),
+    "train_stem_1_2_host": ("train", "1/2", True),
+}
+
+
+def profiled(step, device: torch.device, top: int) -> dict:
+    """One profiled `step` after two warm-ups: its wall time, the device's kernel time and the operators' own host
+    time, summed, and the operators that take the most of each (on a CPU, device time is host time)."""
+    for _ in range(2):
+        step()
+    sync(device)
+    on_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        sync(device)
+        wall = time.perf_counter() - start
+    ops = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+
+    def device_us(e) -> float:
+        return e.self_device_time_total if on_device else e.self_cpu_time_total
+
+    def rows(key) -> list[dict]:
+        return [
+            {
+                "op": e.key,
+                "calls": e.count,
+                "device_ms": round(device_us(e) / 1e3, 3),
+                "host_ms": round(e.self_cpu_time_total / 1e3, 3),
+            }  # fmt: skip
+            for e in sorted(ops, key=key, reverse=True)[:top]
+        ]
+
+    return {
+        "wall_ms": round(wall * 1e3, 3),  # under the profiler, which adds host time
+        "device_ms": round(sum(device_us(e) for e in (kernels if on_device else ops)) / 1e3, 3),
+        "host_ms": round(sum(e.self_cpu_time_total for e in ops) / 1e3, 3),
+        "top_device": rows(device_us),
+        "top_host": rows(lambda e: e.self_cpu_time_total),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="0.75b", choices=sorted(VOCAB))
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=1024)
+    parser.add_argument("--top", type=positive_int, default=30)
+    parser.add_argument("--only", default="", help="comma-separated variants (default: all): " + ", ".join(VARIANTS))
+    parser.add_argument("--out", default="benchmarks/results/profile_gpu.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    only = set(filter(None, args.only.split(","))) or set(VARIANTS)
+    if only - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(only - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
+    ids = token_ids("uniform", (args.batch_size, args.seq_len), VOCAB[args.shape], device)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args),
+              "torch": torch.__version__, "ids": "uniform"}  # fmt: skip
+    for name, (what, spec, host) in VARIANTS.items():
+        if name not in only or (host and device.type == "cpu"):
+            continue
+        model = build(args.shape, spec, device)
+        if what == "prefill":
+            if host:
+                to_host(model)
+
+            def step(model=model):
+                with torch.inference_mode():
+                    model(ids)
+
+        else:
+            model.train()
+            if spec is not None:
+                use_sparse_table_grads(model)  # StemTrainer's default: row gradients, a row-sparse update
+                if host:
+                    to_host(model)
+            optimizer = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=spec is not None))
+
+            def step(model=model, optimizer=optimizer):
+                optimizer.zero_grad(set_to_none=True)
+                model(ids, labels=ids).loss.backward()
+                optimizer.step()
+
+        report[name] = profiled(step, device, args.top)
+        del model, step
+        free()
+        save(report, args.out)
+    summary = {k: {m: v[m] for m in ("wall_ms", "device_ms", "host_ms")} for k, v in report.items() if k in VARIANTS}
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
