@@ -320,15 +320,23 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 state["rows_seen"] += new.numel()
                 slots = state["slot"][rows]
             width = max(1, param.shape[1])
-            chunk = max(1, ROW_CHUNK_ELEMENTS // width) if param.device.type == "cpu" else len(rows)
+            on_host = param.device.type == "cpu"
+            chunk = max(1, ROW_CHUNK_ELEMENTS // width) if on_host else len(rows)
+            # On the host, each chunk reuses the same buffers: fresh ones are new memory, page-faulted in every chunk.
+            shape = (min(chunk, len(rows)), param.shape[1])
+            buffers = [torch.empty(shape, dtype=STATE_DTYPE) for _ in range(5)] if on_host else [None] * 5
             for start in range(0, len(rows), chunk):
                 part, at = rows[start : start + chunk], slots[start : start + chunk]
-                exp_avg = state["exp_avg"].index_select(0, at)
-                exp_avg_sq = state["exp_avg_sq"].index_select(0, at)
+                moment, square, row, scratch, ratio = (b if b is None else b[: len(part)] for b in buffers)
+                exp_avg = torch.index_select(state["exp_avg"], 0, at, out=moment)
+                exp_avg_sq = torch.index_select(state["exp_avg_sq"], 0, at, out=square)
                 steps = state["steps"].index_select(0, at).add_(1)
-                weight = param.index_select(0, part).to(STATE_DTYPE)
+                if param.dtype == STATE_DTYPE:
+                    weight = torch.index_select(param, 0, part, out=row)
+                else:
+                    weight = param.index_select(0, part).to(STATE_DTYPE)
                 grad = values[start : start + chunk].to(STATE_DTYPE)
-                self._update(weight, grad, exp_avg, exp_avg_sq, steps[:, None], hyper)
+                self._update(weight, grad, exp_avg, exp_avg_sq, steps[:, None], hyper, scratch, ratio)
                 param.index_copy_(0, part, weight.to(param.dtype))  # a chunk's rows, moments and counts together
                 state["exp_avg"].index_copy_(0, at, exp_avg)
                 state["exp_avg_sq"].index_copy_(0, at, exp_avg_sq)
@@ -348,15 +356,16 @@ class RowSparseAdamW(torch.optim.Optimizer):
             state[key] = grown
 
     @staticmethod
-    def _update(weight, grad, exp_avg, exp_avg_sq, step, group: dict) -> None:
-        """One AdamW update in place; `step` is a count (tensor) broadcast against the rows."""
+    def _update(weight, grad, exp_avg, exp_avg_sq, step, group: dict, scratch=None, ratio=None) -> None:
+        """One AdamW update in place; `step` is a count (tensor) broadcast against the rows. `scratch` and `ratio`,
+        buffers of the rows' shape, take the two temporaries (None: new tensors)."""
         beta1, beta2 = group["betas"]
         weight.mul_(1 - group["lr"] * group["weight_decay"])
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-        denom = (exp_avg_sq / bias2).sqrt_().add_(group["eps"])
-        weight.addcdiv_(exp_avg / bias1, denom, value=-group["lr"])
+        denom = torch.div(exp_avg_sq, bias2, out=scratch).sqrt_().add_(group["eps"])
+        weight.addcdiv_(torch.div(exp_avg, bias1, out=ratio), denom, value=-group["lr"])
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.settle()

@@ -153,6 +153,30 @@ def test_host_table_rows_updated_in_chunks_equal_one_pass(monkeypatch, dtype):
         torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
 
 
+def test_host_table_chunks_reuse_their_buffers(monkeypatch):
+    """A host table's step allocates its row-sized buffers once, however many chunks its rows take: a new buffer per
+    chunk is fresh memory, page-faulted in each time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stem_hf import training
+
+    width, chunk_rows = 256, 4
+    monkeypatch.setattr(training, "ROW_CHUNK_ELEMENTS", chunk_rows * width)
+    counts = []
+    for num_rows in (40, 80):  # 10 and 20 chunks
+        table = torch.nn.Embedding(1000, width, sparse=True)
+        opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2)
+        table(torch.arange(num_rows)).pow(2).sum().backward()
+        opt.step()  # the first step grows the state
+        opt.zero_grad()
+        table(torch.arange(num_rows)).pow(2).sum().backward()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            opt.step()
+        chunk_bytes = chunk_rows * width * 4
+        counts.append(sum(e.cpu_memory_usage >= chunk_bytes for e in prof.profiler.function_events))
+    assert counts[0] == counts[1] and counts[0] <= 6, counts
+
+
 def test_row_sparse_tables_touch_only_batch_rows_and_keep_less_state():
     torch.manual_seed(0)
     table = torch.nn.Embedding(1000, 16)
