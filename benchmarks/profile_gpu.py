@@ -1,5 +1,6 @@
-"""Where the time goes: `torch.profiler` over one prefill (dense, STEM-full resident, STEM-1/2 with host tables) and one
-train step (dense and STEM-1/2 resident with `RowSparseAdamW`, STEM-1/2 with host tables) at `bench_gpu.py`'s shapes.
+"""Where the time goes: `torch.profiler` over one prefill (dense, STEM-full resident, STEM-1/2 with host tables and
+through `StemOffloadEngine`), one train step (dense and STEM-1/2 resident with `RowSparseAdamW`, STEM-1/2 with host
+tables) and a greedy decode of 16 tokens at batch 64 (STEM-1/2 resident and host) at `bench_gpu.py`'s shapes.
 Saves, per variant, the step's wall time, the device's kernel time, the operators' own host time, and the operators
 that take the most device time and the most host time.
 
@@ -17,16 +18,21 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from stem_hf.cli_args import positive_int
+from stem_hf.offload import StemOffloadEngine
 from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
 
-VARIANTS = {  # name: (what, STEM spec or None for dense, tables in host memory)
-    "prefill_dense": ("prefill", None, False),
-    "prefill_stem_full_resident": ("prefill", "full", False),
-    "prefill_stem_1_2_host": ("prefill", "1/2", True),
-    "train_dense": ("train", None, False),
-    "train_stem_1_2_resident": ("train", "1/2", False),
-    "train_stem_1_2_host": ("train", "1/2", True),
+VARIANTS = {  # name: (what, STEM spec or None for dense, where the tables are)
+    "prefill_dense": ("prefill", None, "resident"),
+    "prefill_stem_full_resident": ("prefill", "full", "resident"),
+    "prefill_stem_1_2_host": ("prefill", "1/2", "host"),
+    "prefill_stem_1_2_engine": ("prefill", "1/2", "engine"),
+    "train_dense": ("train", None, "resident"),
+    "train_stem_1_2_resident": ("train", "1/2", "resident"),
+    "train_stem_1_2_host": ("train", "1/2", "host"),
+    "decode_b64_stem_1_2_resident": ("decode", "1/2", "resident"),
+    "decode_b64_stem_1_2_host": ("decode", "1/2", "host"),
 }
+DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 64, 256, 16
 
 
 def profiled(step, device: torch.device, top: int) -> dict:
@@ -85,24 +91,33 @@ def main() -> None:
     ids = token_ids("uniform", (args.batch_size, args.seq_len), VOCAB[args.shape], device)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args),
               "torch": torch.__version__, "ids": "uniform"}  # fmt: skip
-    for name, (what, spec, host) in VARIANTS.items():
-        if name not in only or (host and device.type == "cpu"):
+    prompt = token_ids("zipf", (DECODE_BATCH, PROMPT_LEN), VOCAB[args.shape], device, seed=DECODE_BATCH)
+    for name, (what, spec, tables) in VARIANTS.items():
+        if name not in only or (tables == "host" and device.type == "cpu"):  # on a CPU, host is resident
             continue
         model = build(args.shape, spec, device)
+        engine = None
+        if what == "train":
+            model.train()
+            if spec is not None:
+                use_sparse_table_grads(model)  # StemTrainer's default: row gradients, a row-sparse update
+        if tables != "resident":
+            to_host(model)
+        if tables == "engine":
+            engine = StemOffloadEngine(model, device=device).attach()
         if what == "prefill":
-            if host:
-                to_host(model)
 
             def step(model=model):
                 with torch.inference_mode():
                     model(ids)
 
+        elif what == "decode":
+            greedy = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+            def step(model=model, greedy=greedy):
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), **greedy)
+
         else:
-            model.train()
-            if spec is not None:
-                use_sparse_table_grads(model)  # StemTrainer's default: row gradients, a row-sparse update
-                if host:
-                    to_host(model)
             optimizer = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=spec is not None))
 
             def step(model=model, optimizer=optimizer):
@@ -111,7 +126,9 @@ def main() -> None:
                 optimizer.step()
 
         report[name] = profiled(step, device, args.top)
-        del model, step
+        if engine is not None:
+            engine.detach()
+        del model, step, engine
         free()
         save(report, args.out)
     summary = {k: {m: v[m] for m in ("wall_ms", "device_ms", "host_ms")} for k, v in report.items() if k in VARIANTS}
