@@ -360,7 +360,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
         """One AdamW update in place; `step` is a count (tensor) broadcast against the rows. `scratch` and `ratio`,
         buffers of the rows' shape, take the two temporaries (None: new tensors)."""
         beta1, beta2 = group["betas"]
-        weight.mul_(1 - group["lr"] * group["weight_decay"])
+        if group["weight_decay"] != 0:  # a pass over the rows that would multiply them by one (tables: no decay)
+            weight.mul_(1 - group["lr"] * group["weight_decay"])
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias1, bias2 = 1 - beta1**step, 1 - beta2**step
