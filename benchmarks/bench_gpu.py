@@ -344,8 +344,8 @@ def run_decode(args, device: torch.device) -> dict:
             step, tokens, repeatable = results[b]
             base = dense_static[b][0] if name == "static_compiled" else dense_steps[b][0]
             row[name] = {"step_ms": round(step * 1e3, 3), "speedup": round(base / step, 3)}
-            # Whether the variant's runs agree among themselves: tokens that differ from resident's are kernel order
-            # (flat logits of random bf16 weights) only where resident's own runs differ too.
+            # Whether the variant's runs agree among themselves: if resident's own runs differ, tokens that differ
+            # from resident's may be kernel order (random bf16 weights have flat logits); if not, they need a look.
             row[name]["same_tokens_across_runs"] = repeatable
             if name != "resident":
                 row[name]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][b][1]))

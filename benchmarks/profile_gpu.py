@@ -11,6 +11,7 @@ that take the most device time and the most host time.
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
 from bench_gpu import VOCAB, build, free, save, sync, to_host, token_ids
@@ -35,7 +36,7 @@ VARIANTS = {  # name: (what, STEM spec or None for dense, where the tables are)
 DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 64, 256, 16
 
 
-def profiled(step, device: torch.device, top: int) -> dict:
+def profiled(step: Callable[[], object], device: torch.device, top: int) -> dict:
     """One profiled `step` after two warm-ups: its wall time, the device's kernel time and the operators' own host
     time, summed, and the operators that take the most of each (on a CPU, device time is host time)."""
     for _ in range(2):
@@ -129,6 +130,7 @@ def main() -> None:
         if engine is not None:
             engine.detach()
         del model, step, engine
+        optimizer = None  # a train variant's state goes with its model, before the next variant is built
         free()
         save(report, args.out)
     summary = {k: {m: v[m] for m in ("wall_ms", "device_ms", "host_ms")} for k, v in report.items() if k in VARIANTS}

@@ -296,7 +296,9 @@ class StemHostRowsGrad(torch.autograd.Function):
         if grad.device != unique.device:
             # A blocking copy into pinned memory: a DMA at the link's speed, where a pageable one is staged by the
             # driver. Blocking, so autograd never sees the host gradient before its bytes have arrived.
-            host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=grad.device.type == "cuda")
+            host = torch.empty(
+                grad.shape, dtype=grad.dtype, device=unique.device, pin_memory=grad.device.type == "cuda"
+            )
             grad = host.copy_(grad)
         if ctx.sparse:
             rows = torch.sparse_coo_tensor(unique[None], grad, ctx.shape, is_coalesced=True, check_invariants=False)

@@ -324,7 +324,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
             chunk = max(1, ROW_CHUNK_ELEMENTS // width) if on_host else len(rows)
             # On the host, each chunk reuses the same buffers: fresh ones are new memory, page-faulted in every chunk.
             shape = (min(chunk, len(rows)), param.shape[1])
-            buffers = [torch.empty(shape, dtype=STATE_DTYPE) for _ in range(5)] if on_host else [None] * 5
+            buffers = (
+                [torch.empty(shape, dtype=STATE_DTYPE, device=param.device) for _ in range(5)]
+                if on_host
+                else [None] * 5
+            )
             for start in range(0, len(rows), chunk):
                 part, at = rows[start : start + chunk], slots[start : start + chunk]
                 moment, square, row, scratch, ratio = (b if b is None else b[: len(part)] for b in buffers)
@@ -356,7 +360,16 @@ class RowSparseAdamW(torch.optim.Optimizer):
             state[key] = grown
 
     @staticmethod
-    def _update(weight, grad, exp_avg, exp_avg_sq, step, group: dict, scratch=None, ratio=None) -> None:
+    def _update(
+        weight: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: torch.Tensor,
+        group: dict,
+        scratch: torch.Tensor | None = None,
+        ratio: torch.Tensor | None = None,
+    ) -> None:
         """One AdamW update in place; `step` is a count (tensor) broadcast against the rows. `scratch` and `ratio`,
         buffers of the rows' shape, take the two temporaries (None: new tensors)."""
         beta1, beta2 = group["betas"]

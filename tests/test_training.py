@@ -177,6 +177,23 @@ def test_host_table_chunks_reuse_their_buffers(monkeypatch):
     assert counts[0] == counts[1] and counts[0] <= 6, counts
 
 
+def test_a_host_table_steps_the_same_under_another_default_device():
+    """The row update makes its buffers where the table is, not on a default device a `with torch.device(...)`
+    block sets (meta here: any other device would fail the same way)."""
+    results = []
+    for default in ("cpu", "meta"):
+        torch.manual_seed(0)
+        table = torch.nn.Embedding(50, 8, sparse=True)
+        opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2)
+        for step in range(2):
+            opt.zero_grad()
+            table(torch.tensor([3, 7, 7, 12])).pow(2).sum().backward()
+            with torch.device(default if step else "cpu"):  # the second step, its state made, under the default
+                opt.step()
+        results.append(table.weight.detach().clone())
+    assert torch.equal(results[0], results[1])
+
+
 def test_row_sparse_tables_touch_only_batch_rows_and_keep_less_state():
     torch.manual_seed(0)
     table = torch.nn.Embedding(1000, 16)
