@@ -547,7 +547,8 @@ class StemTrainer(Trainer):
     they were before and after it. The default, None, turns them on where they are tested: one process, no FSDP,
     DeepSpeed, DataParallel or `torch_compile`, `row_sparse_tables`, the optimizer built here (not passed in), and a
     trainable table, float32 or to be upcast by `train()` (`StemTables.upcast_for_training`). True asks for them anyway
-    (one process only); False keeps dense table gradients.
+    (one process only, and not with `torch_compile`, whose inductor cannot compile sparse gradients); False keeps dense
+    table gradients.
 
     `write_behind_tables` has the tables that sit in host memory updated by a worker thread while the accelerator goes
     on (`RowSparseAdamW(write_behind=True)`). The default, None, turns it on with sparse table gradients, the model on
@@ -592,6 +593,11 @@ class StemTrainer(Trainer):
         unsupported = unsupported or self.args.n_gpu > 1  # DataParallel: one process, replicas
         if sparse_table_grads and unsupported:
             raise ValueError("sparse_table_grads: one process only (not tested with DDP, FSDP or DeepSpeed)")
+        if sparse_table_grads and self.args.torch_compile:
+            raise ValueError(
+                "sparse_table_grads with torch_compile: inductor cannot compile a backward that makes sparse gradients "
+                "(it fails at the first step); leave sparse_table_grads unset (dense table gradients under compile)"
+            )
         if sparse_table_grads is None:
             sparse_table_grads = (
                 self._tables_can_take_sparse_grads()

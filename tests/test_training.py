@@ -384,6 +384,16 @@ def test_write_behind_needs_the_row_sparse_optimizer_and_sparse_table_grads(tmp_
     assert trainer.sparse_table_grads and not trainer.write_behind_tables  # on the CPU nothing computes meanwhile
 
 
+def test_sparse_table_grads_under_torch_compile_are_refused_before_training(tmp_path):
+    """Inductor cannot compile a backward that makes sparse gradients: asked for both, StemTrainer says so at once;
+    by default, compile gets dense table gradients."""
+    model = _stem()
+    with pytest.raises(ValueError, match="sparse_table_grads with torch_compile"):
+        StemTrainer(model=model, args=_args(tmp_path, torch_compile=True), sparse_table_grads=True)
+    trainer = StemTrainer(model=model, args=_args(tmp_path, torch_compile=True), train_dataset=_dataset(4))
+    assert not trainer.sparse_table_grads and not trainer.write_behind_tables
+
+
 def test_state_bytes_of_the_options_at_the_paper_1b_shape():
     from stem_hf import StemConfig, StemForCausalLM
     from stem_hf.demo import PAPER_1B
