@@ -111,6 +111,13 @@ def to_host(model) -> None:
     model.model.stem_tables.to("cpu")
 
 
+def fresh_compiles() -> None:
+    """Forgets every compiled graph before the next compiled model. All STEM models share one forward's code, whose
+    compiled variants dynamo caps (`recompile_limit`); past the cap it runs eager without failing, and a timing would
+    silently be eager's. What was forgotten recompiles in the warm-up that every timing has."""
+    torch.compiler.reset()
+
+
 def free() -> None:
     """Returns the device memory of models the caller has dropped."""
     gc.collect()
@@ -128,13 +135,19 @@ def prefill(model, ids: torch.Tensor, repeats: int, device: torch.device) -> flo
         return median_s(lambda: model(ids), repeats, device)
 
 
-def train_step_s(model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer) -> float:
-    """A train step: forward and loss, backward, the optimizer's step."""
+def train_step_s(
+    model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False
+) -> float:
+    """A train step: forward and loss, backward, the optimizer's step; with `compiled`, forward and backward through
+    `torch.compile(model, fullgraph=True)` (the optimizer's step eager)."""
     model.train()
+    if compiled:
+        fresh_compiles()
+    forward = torch.compile(model, fullgraph=True) if compiled else model
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
+        forward(ids, labels=ids).loss.backward()
         optimizer.step()
 
     seconds = median_s(step, repeats, device)
@@ -222,6 +235,7 @@ def run_prefill(args, device: torch.device) -> dict:
         row = {"predicted_speedup": round(predicted(model.config, context), 3)}
         pairs = {kind: (dense, model, x) for kind, x in ids.items()}
         if args.compile:
+            fresh_compiles()  # dense recompiles in its warm-up
             pairs["compiled"] = (dense_compiled, torch.compile(model, fullgraph=True), ids["uniform"])
         for kind, (reference, stem, x) in pairs.items():
             with torch.inference_mode():
@@ -256,20 +270,29 @@ def run_prefill(args, device: torch.device) -> dict:
 
 def run_train(args, device: torch.device) -> dict:
     """A train step with AdamW (dense, each ratio), RowSparseAdamW with sparse table gradients (StemTrainer's default
-    path), and, with host tables (1/2), both again."""
+    path), and, with host tables (1/2), both again; with `--compile`, AdamW with forward and backward compiled."""
     ids = token_ids("uniform", (args.batch_size, args.seq_len), VOCAB[args.shape], device)
     dense = build(args.shape, None, device, getattr(torch, args.dtype))
     dense_s = train_step_s(dense, ids, args.repeats, device, torch.optim.AdamW(dense.parameters(), lr=1e-5))
     # STEM's RowSparseAdamW runs are compared with dense under RowSparseAdamW too: like with like.
     dense_rs = train_step_s(dense, ids, args.repeats, device, RowSparseAdamW(param_groups(dense, lr=1e-5)))
+    out = {"dense_adamw_ms": round(dense_s * 1e3, 3), "dense_row_sparse_adamw_ms": round(dense_rs * 1e3, 3)}
+    if args.compile:  # dense table gradients: inductor cannot compile a backward that makes sparse ones
+        adamw = torch.optim.AdamW(dense.parameters(), lr=1e-5)
+        dense_compiled = train_step_s(dense, ids, args.repeats, device, adamw, compiled=True)
+        out["dense_compiled_adamw_ms"] = round(dense_compiled * 1e3, 3)
     del dense
     free()
-    out = {"dense_adamw_ms": round(dense_s * 1e3, 3), "dense_row_sparse_adamw_ms": round(dense_rs * 1e3, 3)}
     for spec in tqdm(("1/2", "full"), desc="train"):
         model = build(args.shape, spec, device, getattr(torch, args.dtype))
         row = {"predicted_speedup": round(predicted(model.config, (args.seq_len + 1) / 2), 3)}
         adamw = train_step_s(model, ids, args.repeats, device, torch.optim.AdamW(model.parameters(), lr=1e-5))
         row["adamw"] = {"ms": round(adamw * 1e3, 3), "speedup": round(dense_s / adamw, 3)}
+        if args.compile:  # the tables resident, their gradients dense, as for dense's compiled step
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            compiled = train_step_s(model, ids, args.repeats, device, optimizer, compiled=True)
+            row["compiled_adamw"] = {"ms": round(compiled * 1e3, 3), "speedup": round(dense_compiled / compiled, 3)}
+            del optimizer
         use_sparse_table_grads(model)  # train() made the tables float32, which sparse gradients need
         sparse = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True))
         row["row_sparse_adamw"] = {"ms": round(train_step_s(model, ids, args.repeats, device, sparse) * 1e3, 3)}
@@ -322,6 +345,8 @@ def run_decode(args, device: torch.device) -> dict:
 
     dense = build(args.shape, None, device, getattr(torch, args.dtype))
     dense_steps = per_batch(dense)
+    if compiled:
+        fresh_compiles()
     dense_static = per_batch(dense, **compiled) if compiled else {}
     del dense
     free()
@@ -329,6 +354,7 @@ def run_decode(args, device: torch.device) -> dict:
     context = args.prompt_len + args.new_tokens / 2
     runs = {"resident": per_batch(model)}
     if compiled:
+        fresh_compiles()
         runs["static_compiled"] = per_batch(model, **compiled)
     if device.type != "cpu":
         to_host(model)

@@ -282,9 +282,13 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         for kind in ("uniform", "zipf", "compiled"):  # dense timed in turn with each STEM model: the ratio's own
             stem_ms = row[kind].get("resident_ms", row[kind].get("ms"))
             assert row[kind]["speedup"] == pytest.approx(row[kind]["dense_ms"] / stem_ms, rel=1e-2, abs=2e-3)
+    assert report["train"]["dense_compiled_adamw_ms"] > 0
     for spec in ("1/2", "full"):
         row = report["train"][spec]
         assert row["predicted_speedup"] > 1 and row["adamw"]["ms"] > 0 and row["row_sparse_adamw"]["ms"] > 0
+        compiled = row["compiled_adamw"]
+        expected = report["train"]["dense_compiled_adamw_ms"] / compiled["ms"]
+        assert compiled["speedup"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
     for batch in ("batch_1", "batch_2"):
         assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True
         assert report["decode"][batch]["dense_same_tokens_across_runs"] is True  # a CPU's kernels: repeatable
