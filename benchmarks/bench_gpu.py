@@ -113,8 +113,8 @@ def to_host(model) -> None:
 
 def fresh_compiles() -> None:
     """Forgets every compiled graph before the next compiled model. All STEM models share one forward's code, whose
-    compiled variants dynamo caps (`recompile_limit`); past the cap it runs eager without failing, and a timing would
-    silently be eager's. What was forgotten recompiles in the warm-up that every timing has."""
+    compiled variants dynamo caps (`recompile_limit`); past the cap a `fullgraph=True` compile fails (without it, the
+    call would run eager). What was forgotten recompiles in the warm-up that every timing has."""
     torch.compiler.reset()
 
 
@@ -195,8 +195,8 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,16,64")
     parser.add_argument("--prompt-len", type=positive_int, default=256)
     parser.add_argument("--new-tokens", type=int_at_least(2), default=64, help="a decode step needs two stamps")
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd prefill, and static-cache "
-                        "compiled decoding")  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd prefill and train steps, "
+                        "and static-cache compiled decoding")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, train, decode")
     parser.add_argument("--out", default="benchmarks/results/bench_gpu.json")
@@ -281,6 +281,7 @@ def run_train(args, device: torch.device) -> dict:
         adamw = torch.optim.AdamW(dense.parameters(), lr=1e-5)
         dense_compiled = train_step_s(dense, ids, args.repeats, device, adamw, compiled=True)
         out["dense_compiled_adamw_ms"] = round(dense_compiled * 1e3, 3)
+        del adamw  # it holds dense's weights and state
     del dense
     free()
     for spec in tqdm(("1/2", "full"), desc="train"):

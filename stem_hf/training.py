@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from accelerate.utils import DynamoBackend, is_compiled_module
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
@@ -545,10 +546,11 @@ class StemTrainer(Trainer):
     `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a
     `[vocab, d_ff]` tensor) and clips with `clip_grad_norm`, for the length of `train()`: the model's tables are as
     they were before and after it. The default, None, turns them on where they are tested: one process, no FSDP,
-    DeepSpeed, DataParallel or `torch_compile`, `row_sparse_tables`, the optimizer built here (not passed in), and a
+    DeepSpeed, DataParallel or compile (`torch_compile`, an accelerate dynamo backend, a compiled model),
+    `row_sparse_tables`, the optimizer built here (not passed in), and a
     trainable table, float32 or to be upcast by `train()` (`StemTables.upcast_for_training`). True asks for them anyway
-    (one process only, and not with `torch_compile`, whose inductor cannot compile sparse gradients); False keeps dense
-    table gradients.
+    (one process only, and not compiled: by `torch_compile`, an accelerate dynamo backend or a model passed in
+    compiled, since inductor cannot compile sparse gradients); False keeps dense table gradients.
 
     `write_behind_tables` has the tables that sit in host memory updated by a worker thread while the accelerator goes
     on (`RowSparseAdamW(write_behind=True)`). The default, None, turns it on with sparse table gradients, the model on
@@ -593,10 +595,12 @@ class StemTrainer(Trainer):
         unsupported = unsupported or self.args.n_gpu > 1  # DataParallel: one process, replicas
         if sparse_table_grads and unsupported:
             raise ValueError("sparse_table_grads: one process only (not tested with DDP, FSDP or DeepSpeed)")
-        if sparse_table_grads and self.args.torch_compile:
+        compiles = self._compiles()
+        if sparse_table_grads and compiles:
             raise ValueError(
-                "sparse_table_grads with torch_compile: inductor cannot compile a backward that makes sparse gradients "
-                "(it fails at the first step); leave sparse_table_grads unset (dense table gradients under compile)"
+                "sparse_table_grads with torch.compile (args.torch_compile, an accelerate dynamo backend or a model "
+                "passed in compiled): a backward that makes sparse gradients does not compile (inductor fails at the "
+                "first step); leave sparse_table_grads unset (dense table gradients under compile)"
             )
         if sparse_table_grads is None:
             sparse_table_grads = (
@@ -604,7 +608,7 @@ class StemTrainer(Trainer):
                 and self.optimizer is None  # one passed in may not take sparse gradients
                 and row_sparse_tables
                 and not unsupported
-                and not self.args.torch_compile
+                and not compiles
             )
         self.row_sparse_tables = row_sparse_tables or sparse_table_grads  # sparse gradients need the row groups
         self.sparse_table_grads = sparse_table_grads
@@ -616,6 +620,15 @@ class StemTrainer(Trainer):
         if write_behind_tables is None:
             write_behind_tables = write_behind_default(self.model, self.args, sparse_table_grads)
         self.write_behind_tables = bool(write_behind_tables)
+
+    def _compiles(self) -> bool:
+        """Whether training runs the model compiled: `args.torch_compile`, an accelerate dynamo backend (`accelerate
+        launch --dynamo_backend`, `ACCELERATE_DYNAMO_BACKEND`, which Trainer's accelerator takes up), or a model passed
+        in compiled."""
+        plugin = getattr(self.accelerator.state, "dynamo_plugin", None)
+        backend = getattr(plugin, "backend", None)
+        dynamo = backend is not None and backend != DynamoBackend.NO
+        return bool(self.args.torch_compile or dynamo or is_compiled_module(self.model))
 
     def _tables_can_take_sparse_grads(self) -> bool:
         """A trainable table, each in float32 or to be upcast by `train()`, none on the meta device."""

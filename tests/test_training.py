@@ -384,14 +384,29 @@ def test_write_behind_needs_the_row_sparse_optimizer_and_sparse_table_grads(tmp_
     assert trainer.sparse_table_grads and not trainer.write_behind_tables  # on the CPU nothing computes meanwhile
 
 
-def test_sparse_table_grads_under_torch_compile_are_refused_before_training(tmp_path):
+def test_sparse_table_grads_under_torch_compile_are_refused_before_training(tmp_path, monkeypatch):
     """Inductor cannot compile a backward that makes sparse gradients: asked for both, StemTrainer says so at once;
     by default, compile gets dense table gradients."""
+    from accelerate.state import AcceleratorState
+
     model = _stem()
-    with pytest.raises(ValueError, match="sparse_table_grads with torch_compile"):
+    with pytest.raises(ValueError, match="sparse_table_grads with torch.compile"):
         StemTrainer(model=model, args=_args(tmp_path, torch_compile=True), sparse_table_grads=True)
     trainer = StemTrainer(model=model, args=_args(tmp_path, torch_compile=True), train_dataset=_dataset(4))
     assert not trainer.sparse_table_grads and not trainer.write_behind_tables
+    # Compiled another way: a model passed in compiled, and accelerate's dynamo backend, which `accelerate launch
+    # --dynamo_backend` sets through this variable and Trainer's accelerator takes up, with args.torch_compile False.
+    trainer = StemTrainer(model=torch.compile(model), args=_args(tmp_path), train_dataset=_dataset(4))
+    assert not trainer.sparse_table_grads
+    AcceleratorState._reset_state(True)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    try:
+        with pytest.raises(ValueError, match="sparse_table_grads with torch.compile"):
+            StemTrainer(model=model, args=_args(tmp_path), sparse_table_grads=True)
+        trainer = StemTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset(4))
+        assert not trainer.args.torch_compile and not trainer.sparse_table_grads
+    finally:
+        AcceleratorState._reset_state(True)  # the next test's accelerator without the backend
 
 
 def test_state_bytes_of_the_options_at_the_paper_1b_shape():
