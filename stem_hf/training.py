@@ -543,14 +543,14 @@ class StemTrainer(Trainer):
     tables included, dense table gradients and one clip over all gradients; `args` must hold `PAPER_ARGUMENTS`
     (betas (0.9, 0.95), decay 0.1, clip 1.0, cosine to a tenth of the peak rate), or it raises.
 
-    `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a
-    `[vocab, d_ff]` tensor) and clips with `clip_grad_norm`, for the length of `train()`: the model's tables are as
-    they were before and after it. The default, None, turns them on where they are tested: one process, no FSDP,
-    DeepSpeed, DataParallel or compile (`torch_compile`, an accelerate dynamo backend, a compiled model),
-    `row_sparse_tables`, the optimizer built here (not passed in), and a
-    trainable table, float32 or to be upcast by `train()` (`StemTables.upcast_for_training`). True asks for them anyway
-    (one process only, and not compiled: by `torch_compile`, an accelerate dynamo backend or a model passed in
-    compiled, since inductor cannot compile sparse gradients); False keeps dense table gradients.
+    `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a `[vocab, d_ff]`
+    tensor) and clips with `clip_grad_norm`, for the length of `train()`: the model's tables are as they were before and
+    after it. The default, None, turns them on where they are tested: one process, no FSDP, DeepSpeed, DataParallel or
+    compile (`torch_compile`, an accelerate dynamo backend, a compiled model), `row_sparse_tables`, the optimizer built
+    here (not passed in), and a trainable table, float32 or to be upcast by `train()`
+    (`StemTables.upcast_for_training`). True asks for them anyway (one process only, and not compiled: by
+    `torch_compile`, an accelerate dynamo backend or a model passed in compiled, since inductor cannot compile sparse
+    gradients); False keeps dense table gradients.
 
     `write_behind_tables` has the tables that sit in host memory updated by a worker thread while the accelerator goes
     on (`RowSparseAdamW(write_behind=True)`). The default, None, turns it on with sparse table gradients, the model on
