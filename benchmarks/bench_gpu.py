@@ -141,9 +141,10 @@ def train_step_s(
     """A train step: forward and loss, backward, the optimizer's step; with `compiled`, forward and backward through
     `torch.compile(model, fullgraph=True)` (the optimizer's step eager)."""
     model.train()
+    forward = model
     if compiled:
         fresh_compiles()
-    forward = torch.compile(model, fullgraph=True) if compiled else model
+        forward = torch.compile(model, fullgraph=True)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
