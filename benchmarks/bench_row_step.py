@@ -3,11 +3,13 @@
 At the issue's 0.75B shape (tables of 32000 x 5632, float32 as training holds them) and a batch of 8 x 1024 tokens,
 uniform or Zipf-distributed:
 
-- `row_step`: one table's step, its rows updated in cache-sized chunks (`ROW_CHUNK_ELEMENTS`, the default) against
-  one pass over all of the batch's rows, timed in turn round by round.
-- `write_behind`: three tables' steps; how long `step()` holds the calling thread (the one that would launch the
-  accelerator's work) when it writes the rows itself and when a worker writes them behind, and how long until the
-  rows are written.
+- `row_step`: one table's step three ways, timed in turn round by round on the same batches: `fused`, each row in
+  place by torch's fused CPU AdamW kernel (`FUSED_HOST_ROWS`, the default for float32 tables); `chunked`, rows
+  gathered, updated by torch's elementwise operations and scattered back in cache-sized chunks (`ROW_CHUNK_ELEMENTS`,
+  what bf16 tables take); `one_pass`, the chunked update over all of the batch's rows at once.
+- `write_behind`: three tables' steps, fused and chunked; how long `step()` holds the calling thread (the one that
+  would launch the accelerator's work) when it writes the rows itself and when a worker writes them behind, and how
+  long until the rows are written.
 
     .venv/bin/python benchmarks/bench_row_step.py --repeats 7     # JSON in benchmarks/results/bench_row_step.json
 
@@ -52,8 +54,13 @@ def tables(n: int) -> list[torch.nn.Parameter]:
 
 
 def run_row_step(kind: str, repeats: int) -> dict:
-    """One table, chunked and one-pass optimizers in turn on the same batches (each its own table and state)."""
-    variants = {"chunked": training.ROW_CHUNK_ELEMENTS, "one_pass": 1 << 62}
+    """One table, the three updates in turn on the same batches (each its own table and state)."""
+    variants = {  # FUSED_HOST_ROWS, ROW_CHUNK_ELEMENTS
+        "fused": (True, training.ROW_CHUNK_ELEMENTS),
+        "chunked": (False, training.ROW_CHUNK_ELEMENTS),
+        "one_pass": (False, 1 << 62),
+    }
+    defaults = training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS
     (start,) = tables(1)
     params = {name: torch.nn.Parameter(start.detach().clone()) for name in variants}
     del start
@@ -61,49 +68,61 @@ def run_row_step(kind: str, repeats: int) -> dict:
     times = {k: [] for k in variants}
     for step in range(repeats + 2):  # two warm-up steps: the slots exist, as in a run already going
         rows = batch_rows(kind, step)
-        order = list(variants) if step % 2 == 0 else list(reversed(variants))
+        order = list(variants)[step % len(variants) :] + list(variants)[: step % len(variants)]
         for name in order:
             params[name].grad = sparse_grad(rows, step)
-            training.ROW_CHUNK_ELEMENTS = variants[name]
+            training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS = variants[name]
             start = time.perf_counter()
             optimizers[name].step()
             if step >= 2:
                 times[name].append(time.perf_counter() - start)
-    training.ROW_CHUNK_ELEMENTS = variants["chunked"]
-    out = {"rows": len(batch_rows(kind, 0)), "chunk_rows": max(1, variants["chunked"] // D_FF)}
+    training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS = defaults
+    out = {"rows": len(batch_rows(kind, 0)), "chunk_rows": max(1, variants["chunked"][1] // D_FF)}
     for name, seconds in times.items():
         out[f"{name}_ms"] = round(statistics.median(seconds) * 1e3, 1)
-    out["chunked_speedup"] = round(out["one_pass_ms"] / out["chunked_ms"], 2)
+    out["fused_speedup_over_chunked"] = round(out["chunked_ms"] / out["fused_ms"], 2)
+    out["chunked_speedup_over_one_pass"] = round(out["one_pass_ms"] / out["chunked_ms"], 2)
     torch.testing.assert_close(params["chunked"], params["one_pass"], rtol=0, atol=0)  # the same update, bit for bit
+    # The fused kernel's own order of operations: equal to rounding, not bit for bit.
+    out["fused_max_abs_diff"] = float((params["fused"] - params["chunked"]).abs().max().detach())
+    torch.testing.assert_close(params["fused"], params["chunked"], rtol=1e-5, atol=1e-6)
     return out
 
 
 def run_write_behind(repeats: int, n_tables: int = 3) -> dict:
-    """`n_tables` tables stepped together: in step, then behind (the same batches, fresh tables and state)."""
+    """`n_tables` tables stepped together, in step and then behind (the same batches, fresh tables and state), with the
+    fused update (its rows shared out to serial worker threads) and with the chunked one."""
     out = {"tables": n_tables}
-    for behind in (False, True):
-        params = tables(n_tables)
-        optimizer = RowSparseAdamW([{"params": params, "row_sparse": True}], lr=1e-3, write_behind=behind)
-        returns, written = [], []
-        for step in range(repeats + 2):
-            optimizer.settle()
-            rows = batch_rows("uniform", step)
-            for i, param in enumerate(params):
-                param.grad = sparse_grad(rows, 100 * step + i)
-            start = time.perf_counter()
-            optimizer.step()
-            returned = time.perf_counter()
-            optimizer.settle()
-            if step >= 2:
-                returns.append(returned - start)
-                written.append(time.perf_counter() - start)
-        key = "behind" if behind else "in_step"
-        out[key] = {
-            "step_returns_ms": round(statistics.median(returns) * 1e3, 1),
-            "rows_written_ms": round(statistics.median(written) * 1e3, 1),
-        }
-        del params, optimizer
-    out["calling_thread_freed_ms"] = round(out["in_step"]["step_returns_ms"] - out["behind"]["step_returns_ms"], 1)
+    defaults = training.FUSED_HOST_ROWS
+    for update, fused in (("fused", True), ("chunked", False)):
+        training.FUSED_HOST_ROWS = fused
+        out[update] = {}
+        for behind in (False, True):
+            params = tables(n_tables)
+            optimizer = RowSparseAdamW([{"params": params, "row_sparse": True}], lr=1e-3, write_behind=behind)
+            returns, written = [], []
+            for step in range(repeats + 2):
+                optimizer.settle()
+                rows = batch_rows("uniform", step)
+                for i, param in enumerate(params):
+                    param.grad = sparse_grad(rows, 100 * step + i)
+                start = time.perf_counter()
+                optimizer.step()
+                returned = time.perf_counter()
+                optimizer.settle()
+                if step >= 2:
+                    returns.append(returned - start)
+                    written.append(time.perf_counter() - start)
+            out[update]["behind" if behind else "in_step"] = {
+                "step_returns_ms": round(statistics.median(returns) * 1e3, 1),
+                "rows_written_ms": round(statistics.median(written) * 1e3, 1),
+            }
+            del params, optimizer
+        timed = out[update]
+        timed["calling_thread_freed_ms"] = round(
+            timed["in_step"]["step_returns_ms"] - timed["behind"]["step_returns_ms"], 1
+        )
+    training.FUSED_HOST_ROWS = defaults
     return out
 
 

@@ -47,10 +47,17 @@ STATE_DTYPE = torch.float32  # moments and the update math, whatever the paramet
 # Elements of a host table's rows updated per pass: a chunk's temporaries reuse a few megabytes, where whole-batch
 # temporaries would be fresh, page-faulted memory at every step.
 ROW_CHUNK_ELEMENTS = 1 << 20
+# Float32 host tables: each row takes torch's fused CPU AdamW kernel in place, one tensor per row (its own step count),
+# so the rows, moments and gradient are read and written once, with no gather, scatter or temporaries.
+FUSED_HOST_ROWS = hasattr(torch, "_fused_adamw_")
+# Rows a row worker takes at least: with fewer, handing them to other threads costs more than splitting saves.
+ROWS_PER_WORKER = 64
 # Float32 bytes of dense parameters updated by one set of foreach operations: each operation is one kernel for many
 # parameters, and the fp32 copies and temporaries it makes scale with this much, not with the whole group.
 DENSE_STEP_BYTES = 1 << 28
 _TABLE_WRITER: ThreadPoolExecutor | None = None
+_ROW_WORKERS: tuple[ThreadPoolExecutor, int] | None = None
+_ROW_WORKERS_LOCK = threading.Lock()
 
 
 def _table_writer() -> ThreadPoolExecutor:
@@ -90,9 +97,36 @@ def _unmark(param: torch.Tensor, write: TableWrite) -> None:
         del param.stem_pending_write
 
 
+def _row_workers() -> tuple[ThreadPoolExecutor, int] | None:
+    """Threads that each run the fused row kernel serially (one intra-op thread each) on a share of a step's rows, and
+    how many; None where torch runs one intra-op thread. The kernel's own parallel loop starts an OpenMP region for
+    every row tensor, which, from a thread other than the main one (the table writer), costs more than the row."""
+    global _ROW_WORKERS
+    with _ROW_WORKERS_LOCK:
+        count = torch.get_num_threads()
+        if _ROW_WORKERS is None and count > 1:
+            started = threading.Barrier(count + 1)
+
+            def serial() -> None:
+                torch.get_num_threads()  # torch sets a thread's count at its first parallel call: have it done first
+                torch.set_num_threads(1)
+                started.wait()
+
+            workers = ThreadPoolExecutor(count, thread_name_prefix="stem-row-update", initializer=serial)
+            for _ in range(count):  # each submit starts a thread: none is idle yet, all wait in `serial`
+                workers.submit(lambda: None)
+            started.wait()
+            # `set_num_threads` also sets torch's process-wide count that threads started later begin with: put back
+            # this thread's own, so only the workers run serially.
+            torch.set_num_threads(count)
+            _ROW_WORKERS = workers, count
+        return _ROW_WORKERS
+
+
 def _forget_table_writer() -> None:
-    global _TABLE_WRITER
-    _TABLE_WRITER = None  # a forked child has the parent's executor but not its thread
+    global _TABLE_WRITER, _ROW_WORKERS
+    _TABLE_WRITER = None  # a forked child has the parent's executors but not their threads
+    _ROW_WORKERS = None
 
 
 def _drain_table_writer() -> None:
@@ -178,6 +212,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "row_sparse": row_sparse}
         self.write_behind = write_behind
         self._writes: list[tuple[torch.Tensor, TableWrite]] = []
+        self._row_views: dict[torch.Tensor, dict] = {}
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["row_sparse"] and any(p.ndim != 2 for p in group["params"]):
@@ -230,6 +265,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("write_behind", False)
         self._writes = []
+        self._row_views = {}
 
     def state_dict(self) -> dict:
         self.settle()
@@ -301,10 +337,20 @@ class RowSparseAdamW(torch.optim.Optimizer):
     ) -> None:
         """Lazy AdamW of the distinct `rows`, gradients `values`; also on the writer thread, where no_grad is off."""
         with torch.no_grad():
+            fused = (
+                FUSED_HOST_ROWS
+                and param.device.type == "cpu"
+                and param.dtype == values.dtype == STATE_DTYPE
+                and param.is_contiguous()
+            )
+            kept = None  # the moved rows' places in `values`, where some did not move
             if sparse:  # a row in the batch with no gradient moves no more than under dense gradients
                 moved = torch.linalg.vector_norm(values, 0, dim=1) > 0
                 if not bool(moved.all()):
-                    rows, values = rows[moved], values[moved]
+                    kept = moved.nonzero().squeeze(1)
+                    rows = rows[kept]
+                    if not fused:  # the fused path picks the moved rows' gradients without copying them
+                        values, kept = values[kept], None
             if rows.numel() == 0:
                 return
             state = self.state[param]
@@ -320,6 +366,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 state["slot"][new] = torch.arange(seen, seen + new.numel(), device=param.device)
                 state["rows_seen"] += new.numel()
                 slots = state["slot"][rows]
+            if fused:
+                self._fused_rows(param, state, rows, slots, values, kept, hyper)
+                return
             width = max(1, param.shape[1])
             on_host = param.device.type == "cpu"
             chunk = max(1, ROW_CHUNK_ELEMENTS // width) if on_host else len(rows)
@@ -346,6 +395,73 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 state["exp_avg"].index_copy_(0, at, exp_avg)
                 state["exp_avg_sq"].index_copy_(0, at, exp_avg_sq)
                 state["steps"].index_copy_(0, at, steps)
+
+    def _fused_rows(
+        self,
+        param: torch.Tensor,
+        state: dict,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        values: torch.Tensor,
+        kept: torch.Tensor | None,
+        hyper: dict,
+    ) -> None:
+        """The lazy AdamW of `rows` by torch's fused CPU kernel, each row (of the table, both moments, the gradient) a
+        tensor of its own with its own step count: one pass over the touched memory, in place."""
+        state["steps"].index_add_(0, slots, torch.ones(len(slots), dtype=STATE_DTYPE, device=param.device))
+        at, where = slots.tolist(), rows.tolist()
+        grads = values.contiguous().unbind(0)
+        if kept is not None:
+            grads = [grads[i] for i in kept.tolist()]
+        table, exp_avg, exp_avg_sq, steps = (
+            self._views(param, key, tensor)
+            for key, tensor in (
+                ("param", param),
+                ("exp_avg", state["exp_avg"]),
+                ("exp_avg_sq", state["exp_avg_sq"]),
+                ("steps", state["steps"]),
+            )
+        )
+        lists = [table[i] for i in where], list(grads), [exp_avg[i] for i in at], [exp_avg_sq[i] for i in at]
+        counts = [steps[i] for i in at]
+        beta1, beta2 = hyper["betas"]
+
+        def update(start: int, stop: int) -> None:
+            torch._fused_adamw_(
+                *(rows_of[start:stop] for rows_of in lists),
+                [],
+                counts[start:stop],
+                lr=hyper["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=hyper["weight_decay"],
+                eps=hyper["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
+
+        workers = _row_workers() if len(at) >= 2 * ROWS_PER_WORKER else None
+        if workers is None:
+            update(0, len(at))
+            return
+        pool, count = workers
+        parts = min(count, len(at) // ROWS_PER_WORKER)
+        bounds = [len(at) * i // parts for i in range(parts + 1)]  # rows are sorted: a share is one stretch of table
+        shares = [pool.submit(update, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
+        errors = [share.exception() for share in shares]  # waits for every share, even after one failed
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
+    def _views(self, param: torch.Tensor, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`tensor`'s rows as tensors, kept from step to step while `tensor` is the same memory: unbinding a whole table
+        again at every step would cost more than its rows' update."""
+        cache = self._row_views.setdefault(param, {})
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        held = cache.get(key)
+        if held is None or held[0] is not tensor or held[1] != ident:
+            held = cache[key] = (tensor, ident, tensor.unbind(0))
+        return held[2]
 
     @staticmethod
     def _grow(state: dict, param: torch.Tensor, needed: int) -> None:

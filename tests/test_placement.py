@@ -426,7 +426,8 @@ def test_an_error_in_a_write_behind_reaches_the_next_forward(monkeypatch):
     def broken(*args):
         raise RuntimeError("disk full while writing rows")
 
-    monkeypatch.setattr(RowSparseAdamW, "_update", staticmethod(broken))
+    monkeypatch.setattr(RowSparseAdamW, "_update", staticmethod(broken))  # the chunked rows' update
+    monkeypatch.setattr(RowSparseAdamW, "_fused_rows", broken)  # float32 host rows
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     with pytest.raises(RuntimeError, match="disk full while writing rows"), torch.no_grad():

@@ -133,6 +133,7 @@ def test_host_table_rows_updated_in_chunks_equal_one_pass(monkeypatch, dtype):
     slots grow past 64, rows repeat and weight decay applies."""
     from stem_hf import training
 
+    monkeypatch.setattr(training, "FUSED_HOST_ROWS", False)  # float32 rows take the fused kernel otherwise
     results = []
     for chunk_elements in (3 * 16, 1 << 30):
         monkeypatch.setattr(training, "ROW_CHUNK_ELEMENTS", chunk_elements)
@@ -162,6 +163,7 @@ def test_host_table_chunks_reuse_their_buffers(monkeypatch):
 
     width, chunk_rows = 256, 4
     monkeypatch.setattr(training, "ROW_CHUNK_ELEMENTS", chunk_rows * width)
+    monkeypatch.setattr(training, "FUSED_HOST_ROWS", False)
     counts = []
     for num_rows in (40, 80):  # 10 and 20 chunks
         table = torch.nn.Embedding(1000, width, sparse=True)
@@ -175,6 +177,136 @@ def test_host_table_chunks_reuse_their_buffers(monkeypatch):
         chunk_bytes = chunk_rows * width * 4
         counts.append(sum(e.cpu_memory_usage >= chunk_bytes for e in prof.profiler.function_events))
     assert counts[0] == counts[1] and counts[0] <= 6, counts
+
+
+def test_fused_host_rows_equal_torch_fused_adamw_where_every_row_steps():
+    """Float32 host rows take torch's fused CPU AdamW kernel one row at a time: where every row has a gradient at every
+    step, lazy AdamW is AdamW, and the result is `torch.optim.AdamW(fused=True)`'s bit for bit."""
+    from stem_hf import training
+
+    assert training.FUSED_HOST_ROWS
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(40, 32, sparse=True)
+    reference = torch.nn.Embedding(40, 32)
+    reference.load_state_dict(table.state_dict())
+    ours = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(5):
+        scale = torch.randn(40, 32, generator=torch.Generator().manual_seed(step))
+        for module, optimizer in ((table, ours), (reference, theirs)):
+            optimizer.zero_grad()
+            (module(torch.arange(40)) * scale).sum().backward()
+            optimizer.step()
+    assert torch.equal(table.weight, reference.weight)
+    state = ours.state[table.weight]
+    assert torch.equal(state["exp_avg"][state["slot"]], theirs.state[reference.weight]["exp_avg"])
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_fused_host_rows_give_the_chunked_update_as_rows_come_and_go(monkeypatch, sparse):
+    """The fused per-row update against the chunked one (its own formula, in torch's operations): rows absent from
+    some steps keep their own step counts, slots grow past 64, a looked-up row without gradient stays put, weight
+    decay applies. Equal to float rounding; the step counts and the rows left alone exactly."""
+    from stem_hf import training
+
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(training, "FUSED_HOST_ROWS", fused)
+        torch.manual_seed(0)
+        table = torch.nn.Embedding(500, 16, sparse=sparse)
+        opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1)
+        start = table.weight.detach().clone()
+        for step in range(4):
+            ids = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(step))
+            mask = (ids != ids[0]).float()[:, None]  # the first id is looked up with no gradient
+            opt.zero_grad()
+            (table(ids) * mask).pow(2).sum().backward()
+            opt.step()
+        results.append((table.weight.detach().clone(), opt.state[table.weight], ids[0]))
+    (fused_weight, fused_state, masked), (chunked_weight, chunked_state, _) = results
+    assert int(fused_state["rows_seen"]) > 64
+    torch.testing.assert_close(fused_weight, chunked_weight, rtol=1e-5, atol=1e-6)  # a step moves 1e-2
+    assert torch.equal(fused_weight[masked], start[masked])
+    assert not torch.equal(fused_weight, start)
+    for key in ("slot", "steps", "rows_seen"):
+        assert torch.equal(fused_state[key], chunked_state[key]), key
+    for key in ("exp_avg", "exp_avg_sq"):  # gradients are 2w: they carry the weights' rounding
+        torch.testing.assert_close(fused_state[key], chunked_state[key], rtol=1e-4, atol=1e-7, msg=key)
+
+
+def test_fused_host_rows_follow_a_table_and_state_that_moved():
+    """The row views the fused update keeps from step to step are dropped when the table's memory or the state changes
+    (a new `.data`, a loaded optimizer state): the update goes to the live tensors, never to the memory left behind."""
+    torch.manual_seed(0)
+    ids = torch.tensor([1, 5, 9])
+    runs = []
+    for move in (False, True):
+        table = torch.nn.Embedding(20, 8, sparse=True)
+        table.weight.data = torch.linspace(-1, 1, 160).reshape(20, 8)
+        opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2)
+        for step in range(3):
+            if move and step == 1:
+                old = table.weight.data
+                table.weight.data = old.clone()  # new memory, same values
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors, same values
+                frozen = old.clone()
+            opt.zero_grad()
+            table(ids).pow(2).sum().backward()
+            opt.step()
+        runs.append(table.weight.detach().clone())
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(old, frozen)  # the memory the table left was not written
+
+
+def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as_they_were(monkeypatch):
+    """A step's rows are shared out to worker threads that each run the kernel serially: the same weights and state
+    bit for bit as one call over all rows; the workers run one intra-op thread each, while the calling thread and the
+    threads started later keep torch's count (torch's `set_num_threads` also sets the count new threads start with)."""
+    import threading
+
+    from stem_hf import training
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs two intra-op threads, whatever this machine has
+    monkeypatch.setattr(training, "_ROW_WORKERS", None)  # a pool made here, with that count
+    monkeypatch.setattr(training, "ROWS_PER_WORKER", 8)
+    try:
+        results, calls = [], []
+        kernel = torch._fused_adamw_
+
+        def counted(*args, **kwargs):
+            calls.append((threading.current_thread().name, torch.get_num_threads(), len(args[0])))
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "_fused_adamw_", counted)
+        for per_worker in (8, 1 << 30):  # shared out; one call in this thread
+            monkeypatch.setattr(training, "ROWS_PER_WORKER", per_worker)
+            torch.manual_seed(0)
+            table = torch.nn.Embedding(300, 32, sparse=True)
+            opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1)
+            for step in range(3):
+                ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(step))
+                opt.zero_grad()
+                table(ids).pow(2).sum().backward()
+                opt.step()
+            results.append((table.weight.detach().clone(), opt.state[table.weight]))
+        shared = [c for c in calls if c[0].startswith("stem-row-update")]
+        assert len(shared) == 6 and {c[1] for c in shared} == {1}, calls  # two shares a step, serial
+        assert sum(c[2] for c in shared) == sum(c[2] for c in calls if not c[0].startswith("stem-row-update"))
+        (weight, state), (expected_weight, expected_state) = results
+        assert torch.equal(weight, expected_weight)
+        for key, value in expected_state.items():
+            assert torch.equal(state[key], value), key
+        assert torch.get_num_threads() == 2
+        later = []
+        started = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        started.start()
+        started.join()
+        assert later == [2]
+    finally:
+        if training._ROW_WORKERS is not None:
+            training._ROW_WORKERS[0].shutdown()
+        torch.set_num_threads(threads)
 
 
 def test_a_host_table_steps_the_same_under_another_default_device():
