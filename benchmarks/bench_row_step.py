@@ -3,10 +3,12 @@
 At the issue's 0.75B shape (tables of 32000 x 5632, float32 as training holds them) and a batch of 8 x 1024 tokens,
 uniform or Zipf-distributed:
 
-- `row_step`: one table's step three ways, timed in turn round by round on the same batches: `fused`, each row in
-  place by torch's fused CPU AdamW kernel (`FUSED_HOST_ROWS`, the default for float32 tables); `chunked`, rows
-  gathered, updated by torch's elementwise operations and scattered back in cache-sized chunks (`ROW_CHUNK_ELEMENTS`,
-  what bf16 tables take); `one_pass`, the chunked update over all of the batch's rows at once.
+- `row_step`: one table's step five ways, timed in turn round by round on the same batches: `fused`, each row in
+  place by torch's fused CPU AdamW kernel (`FUSED_HOST_ROWS`, the default for float32 tables), the rows shared out to
+  serial worker threads; `fused_one_call`, the same kernel in one call from the stepping thread, and
+  `fused_one_call_other_thread` stepped from a thread of its own, as the table writer does; `chunked`, rows gathered,
+  updated by torch's elementwise operations and scattered back in cache-sized chunks (`ROW_CHUNK_ELEMENTS`, what bf16
+  tables take); `one_pass`, the chunked update over all of the batch's rows at once.
 - `write_behind`: three tables' steps, fused and chunked; how long `step()` holds the calling thread (the one that
   would launch the accelerator's work) when it writes the rows itself and when a worker writes them behind, and how
   long until the rows are written.
@@ -21,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -54,13 +57,16 @@ def tables(n: int) -> list[torch.nn.Parameter]:
 
 
 def run_row_step(kind: str, repeats: int) -> dict:
-    """One table, the three updates in turn on the same batches (each its own table and state)."""
-    variants = {  # FUSED_HOST_ROWS, ROW_CHUNK_ELEMENTS
-        "fused": (True, training.ROW_CHUNK_ELEMENTS),
-        "chunked": (False, training.ROW_CHUNK_ELEMENTS),
-        "one_pass": (False, 1 << 62),
+    """One table, each way in turn on the same batches (each its own table and state)."""
+    variants = {  # FUSED_HOST_ROWS, ROW_CHUNK_ELEMENTS, ROWS_PER_WORKER, stepped from a thread of its own
+        "fused": (True, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),
+        "fused_one_call": (True, training.ROW_CHUNK_ELEMENTS, 1 << 62, False),
+        "fused_one_call_other_thread": (True, training.ROW_CHUNK_ELEMENTS, 1 << 62, True),
+        "chunked": (False, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),
+        "one_pass": (False, 1 << 62, training.ROWS_PER_WORKER, False),
     }
-    defaults = training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS
+    defaults = training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER
+    other_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-writer")  # as the table writer steps its tables
     (start,) = tables(1)
     params = {name: torch.nn.Parameter(start.detach().clone()) for name in variants}
     del start
@@ -71,18 +77,25 @@ def run_row_step(kind: str, repeats: int) -> dict:
         order = list(variants)[step % len(variants) :] + list(variants)[: step % len(variants)]
         for name in order:
             params[name].grad = sparse_grad(rows, step)
-            training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS = variants[name]
+            *settings, elsewhere = variants[name]
+            training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER = settings
             start = time.perf_counter()
-            optimizers[name].step()
+            if elsewhere:
+                other_thread.submit(optimizers[name].step).result()
+            else:
+                optimizers[name].step()
             if step >= 2:
                 times[name].append(time.perf_counter() - start)
-    training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS = defaults
+    training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER = defaults
+    other_thread.shutdown()
     out = {"rows": len(batch_rows(kind, 0)), "chunk_rows": max(1, variants["chunked"][1] // D_FF)}
     for name, seconds in times.items():
         out[f"{name}_ms"] = round(statistics.median(seconds) * 1e3, 1)
     out["fused_speedup_over_chunked"] = round(out["chunked_ms"] / out["fused_ms"], 2)
     out["chunked_speedup_over_one_pass"] = round(out["one_pass_ms"] / out["chunked_ms"], 2)
     torch.testing.assert_close(params["chunked"], params["one_pass"], rtol=0, atol=0)  # the same update, bit for bit
+    for name in ("fused_one_call", "fused_one_call_other_thread"):  # the same kernel on the same rows
+        torch.testing.assert_close(params[name], params["fused"], rtol=0, atol=0)
     # The fused kernel's own order of operations: equal to rounding, not bit for bit.
     out["fused_max_abs_diff"] = float((params["fused"] - params["chunked"]).abs().max().detach())
     torch.testing.assert_close(params["fused"], params["chunked"], rtol=1e-5, atol=1e-6)
