@@ -8,7 +8,9 @@ uniform or Zipf-distributed:
   serial worker threads; `fused_one_call`, the same kernel in one call from the stepping thread, and
   `fused_one_call_other_thread` stepped from a thread of its own, as the table writer does; `chunked`, rows gathered,
   updated by torch's elementwise operations and scattered back in cache-sized chunks (`ROW_CHUNK_ELEMENTS`, what bf16
-  tables take); `one_pass`, the chunked update over all of the batch's rows at once.
+  tables take); `one_pass`, the chunked update over all of the batch's rows at once; `compiled`, the rows' gather,
+  update and scatter by one function compiled by inductor (`RowSparseAdamW(compiled_rows=True)`, meant for tables on
+  an accelerator), compiled in the warm-up steps.
 - `write_behind`: three tables' steps, fused and chunked; how long `step()` holds the calling thread (the one that
   would launch the accelerator's work) when it writes the rows itself and when a worker writes them behind, and how
   long until the rows are written.
@@ -64,13 +66,17 @@ def run_row_step(kind: str, repeats: int) -> dict:
         "fused_one_call_other_thread": (True, training.ROW_CHUNK_ELEMENTS, 1 << 62, True),
         "chunked": (False, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),
         "one_pass": (False, 1 << 62, training.ROWS_PER_WORKER, False),
+        "compiled": (False, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),  # `compiled_rows=True`
     }
     defaults = training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER
     other_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-writer")  # as the table writer steps its tables
     (start,) = tables(1)
     params = {name: torch.nn.Parameter(start.detach().clone()) for name in variants}
     del start
-    optimizers = {k: RowSparseAdamW([{"params": [p], "row_sparse": True}], lr=1e-3) for k, p in params.items()}
+    optimizers = {
+        k: RowSparseAdamW([{"params": [p], "row_sparse": True}], lr=1e-3, compiled_rows=k == "compiled")
+        for k, p in params.items()
+    }
     times = {k: [] for k in variants}
     for step in range(repeats + 2):  # two warm-up steps: the slots exist, as in a run already going
         rows = batch_rows(kind, step)
@@ -96,6 +102,7 @@ def run_row_step(kind: str, repeats: int) -> dict:
     torch.testing.assert_close(params["chunked"], params["one_pass"], rtol=0, atol=0)  # the same update, bit for bit
     for name in ("fused_one_call", "fused_one_call_other_thread"):  # the same kernel on the same rows
         torch.testing.assert_close(params[name], params["fused"], rtol=0, atol=0)
+    torch.testing.assert_close(params["compiled"], params["chunked"], rtol=1e-5, atol=1e-6)
     # The fused kernel's own order of operations: equal to rounding, not bit for bit.
     out["fused_max_abs_diff"] = float((params["fused"] - params["chunked"]).abs().max().detach())
     torch.testing.assert_close(params["fused"], params["chunked"], rtol=1e-5, atol=1e-6)

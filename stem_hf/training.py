@@ -143,6 +143,44 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_drain_table_writer, after_in_child=_forget_table_writer)
 
 
+def adamw_rows(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    steps: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    grad: torch.Tensor,
+    settings: torch.Tensor,
+) -> None:
+    """`RowSparseAdamW`'s lazy AdamW of the distinct `rows` (gradients `grad`, moments and step counts at `slots`), in
+    place, as one function for `torch.compile` to fuse: the gathers, the update and the scatters in a kernel or two,
+    where eager runs about twenty. `settings`: lr, beta1, beta2, eps and weight decay, a tensor so that a new learning
+    rate is not a recompile."""
+    lr, beta1, beta2, eps, weight_decay = settings.unbind()
+    step = steps[slots] + 1
+    grad = grad.to(STATE_DTYPE)
+    weight = param[rows].to(STATE_DTYPE) * (1 - lr * weight_decay)
+    exp_avg_rows = exp_avg[slots].lerp(grad, (1 - beta1).to(STATE_DTYPE))
+    exp_avg_sq_rows = exp_avg_sq[slots] * beta2 + grad * grad * (1 - beta2)
+    bias1, bias2 = (1 - beta1**step)[:, None], (1 - beta2**step)[:, None]
+    weight = weight - lr * (exp_avg_rows / bias1) / ((exp_avg_sq_rows / bias2).sqrt() + eps)
+    param.index_put_((rows,), weight.to(param.dtype))
+    exp_avg.index_put_((slots,), exp_avg_rows.to(exp_avg.dtype))
+    exp_avg_sq.index_put_((slots,), exp_avg_sq_rows.to(exp_avg_sq.dtype))
+    steps.index_put_((slots,), step.to(steps.dtype))
+
+
+_COMPILED_ADAMW_ROWS: Callable[..., None] | None = None
+
+
+def _compiled_adamw_rows() -> Callable[..., None]:
+    global _COMPILED_ADAMW_ROWS
+    if _COMPILED_ADAMW_ROWS is None:  # one compile for every table and row count (dynamic shapes)
+        _COMPILED_ADAMW_ROWS = torch.compile(adamw_rows, dynamic=True, fullgraph=True)
+    return _COMPILED_ADAMW_ROWS
+
+
 def param_groups(
     model: nn.Module,
     lr: float,
@@ -187,7 +225,13 @@ class RowSparseAdamW(torch.optim.Optimizer):
     allocated on first use (capacity doubles as needed: up to 2x the rows seen), plus one int64 slot index per table
     row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows. Dense
     groups take torch's multi-tensor (foreach) AdamW update, a fixed number of kernels per `DENSE_STEP_BYTES` of
-    parameters whatever their count; tables in host memory are updated in chunks of `ROW_CHUNK_ELEMENTS`.
+    parameters whatever their count. Float32 tables in host memory are updated row by row, in place, by torch's fused
+    CPU AdamW kernel on worker threads (`FUSED_HOST_ROWS`); other host tables in chunks of `ROW_CHUNK_ELEMENTS`;
+    tables on an accelerator in one pass of torch's operations.
+
+    `compiled_rows=True`: every table's rows updated by `adamw_rows` under `torch.compile` (dynamic shapes: one compile
+    for every table and row count), meant for tables on an accelerator, where it fuses the eager pass's kernels; on
+    the host the fused kernel is faster. Not with `write_behind`.
 
     `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
     `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
@@ -206,11 +250,18 @@ class RowSparseAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         row_sparse: bool = False,
         write_behind: bool = False,
+        compiled_rows: bool = False,
     ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"RowSparseAdamW: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
+        if compiled_rows and write_behind:
+            raise ValueError(
+                "RowSparseAdamW: compiled_rows is for tables on an accelerator, write_behind for tables in host memory "
+                "(updated by the fused per-row kernel): choose one"
+            )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "row_sparse": row_sparse}
         self.write_behind = write_behind
+        self.compiled_rows = compiled_rows
         self._writes: list[tuple[torch.Tensor, TableWrite]] = []
         self._row_views: dict[torch.Tensor, dict] = {}
         super().__init__(params, defaults)
@@ -264,6 +315,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         # torch's Optimizer pickles and copies defaults, state and groups only: a copy writes in step, with no writes.
         super().__setstate__(state)
         self.__dict__.setdefault("write_behind", False)
+        self.__dict__.setdefault("compiled_rows", False)
         self._writes = []
         self._row_views = {}
 
@@ -339,6 +391,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         with torch.no_grad():
             fused = (
                 FUSED_HOST_ROWS
+                and not self.compiled_rows
                 and param.device.type == "cpu"
                 and param.dtype == values.dtype == STATE_DTYPE
                 and param.is_contiguous()
@@ -368,6 +421,15 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 slots = state["slot"][rows]
             if fused:
                 self._fused_rows(param, state, rows, slots, values, kept, hyper)
+                return
+            if self.compiled_rows:
+                beta1, beta2 = hyper["betas"]
+                settings = [hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]]
+                settings = torch.tensor(settings, dtype=torch.float64, device=param.device)  # inputs: no recompile
+                tensors = state["exp_avg"], state["exp_avg_sq"], state["steps"]
+                # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
+                inputs = rows.detach(), slots.detach(), values.detach()
+                _compiled_adamw_rows()(param, *tensors, *inputs, settings)
                 return
             width = max(1, param.shape[1])
             on_host = param.device.type == "cpu"
@@ -856,12 +918,15 @@ __all__ = [
     "LORA_TARGETS",
     "PAPER_ARGUMENTS",
     "DENSE_STEP_BYTES",
+    "FUSED_HOST_ROWS",
     "RECIPES",
+    "ROWS_PER_WORKER",
     "ROW_CHUNK_ELEMENTS",
     "RowSparseAdamW",
     "StemTrainer",
     "TableWrite",
     "adam_state_bytes",
+    "adamw_rows",
     "build_optimizer",
     "check_paper_arguments",
     "check_recipe",

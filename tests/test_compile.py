@@ -289,6 +289,9 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         compiled = row["compiled_adamw"]
         expected = report["train"]["dense_compiled_adamw_ms"] / compiled["ms"]
         assert compiled["speedup"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
+        rows = row["row_sparse_adamw_compiled_rows"]
+        expected = report["train"]["dense_row_sparse_adamw_ms"] / rows["ms"]
+        assert rows["speedup"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
     for batch in ("batch_1", "batch_2"):
         assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True
         assert report["decode"][batch]["dense_same_tokens_across_runs"] is True  # a CPU's kernels: repeatable

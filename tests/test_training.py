@@ -309,6 +309,82 @@ def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as
         torch.set_num_threads(threads)
 
 
+def test_compiled_rows_give_the_eager_update_in_one_graph(monkeypatch):
+    """`compiled_rows=True` (meant for tables on an accelerator; here on the CPU, inductor's C++): the chunked eager
+    update to rounding, as rows come and go, slots grow and a scheduler moves the learning rate, all in one graph."""
+    from torch._dynamo.utils import counters
+
+    from stem_hf import training
+
+    monkeypatch.setattr(training, "FUSED_HOST_ROWS", False)  # the reference: torch's eager operations
+    monkeypatch.setattr(training, "_COMPILED_ADAMW_ROWS", None)
+    counters.clear()
+    results = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        table = torch.nn.Embedding(500, 16, sparse=True)
+        opt = RowSparseAdamW(
+            [{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1, compiled_rows=compiled
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1))
+        for step in range(2):  # gradients whose values are views of another tensor (dynamo failed on these)
+            rows = torch.randint(0, 500, (30 + step,), generator=torch.Generator().manual_seed(10 + step)).unique()
+            values = torch.randn(len(rows), 16, generator=torch.Generator().manual_seed(step))
+            table.weight.grad = torch.sparse_coo_tensor(rows[None], values, (500, 16), is_coalesced=True)
+            opt.step()
+        for step in range(5):
+            ids = torch.randint(0, 500, (60 + 5 * step,), generator=torch.Generator().manual_seed(step))
+            mask = (ids != ids[0]).float()[:, None]  # a row looked up without gradient stays put
+            opt.zero_grad()
+            (table(ids) * mask).pow(2).sum().backward()
+            opt.step()
+            schedule.step()
+        results.append((table.weight.detach().clone(), opt.state[table.weight], ids[0]))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    (weight, state, masked), (expected_weight, expected_state, _) = results
+    assert int(state["rows_seen"]) > 64
+    torch.testing.assert_close(weight, expected_weight, rtol=1e-5, atol=1e-6)
+    for key in ("slot", "steps", "rows_seen"):
+        assert torch.equal(state[key], expected_state[key]), key
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(state[key], expected_state[key], rtol=1e-4, atol=1e-7, msg=key)
+    with pytest.raises(ValueError, match="compiled_rows is for tables on an accelerator"):
+        RowSparseAdamW(table.parameters(), compiled_rows=True, write_behind=True)
+
+
+def test_compiled_rows_write_only_the_touched_rows(tmp_path):
+    """The compiled update writes the batch's rows in place, never the whole table back (as a functional graph's copy
+    of a mutated input would). The table is a private mapping of a file, so every page written becomes dirty."""
+    import re
+
+    vocab, width = 50_000, 64  # 12.8 MB, 3125 pages of 4 KB
+    path = tmp_path / "table.bin"
+    torch.randn(vocab, width).numpy().tofile(path)
+    weight = torch.from_file(str(path), shared=False, size=vocab * width).view(vocab, width)
+    table = torch.nn.Embedding(vocab, width, sparse=True, _weight=weight)
+    assert table.weight.data_ptr() == weight.data_ptr()
+    opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, compiled_rows=True)
+
+    def dirty_kb() -> int:
+        start = table.weight.data_ptr()
+        with open("/proc/self/smaps") as smaps:
+            lines = smaps.read().splitlines()
+        for i, line in enumerate(lines):
+            span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if span and int(span[1], 16) <= start < int(span[2], 16):
+                fields = dict(re.match(r"(\w+):\s+(\d+)", x).groups() for x in lines[i + 1 : i + 20] if " kB" in x)
+                return int(fields["Private_Dirty"])
+        raise AssertionError("the table is not a mapping")
+
+    ids = torch.arange(0, vocab, vocab // 40)  # 40 rows, each on its own page
+    for _ in range(3):
+        opt.zero_grad()
+        table(ids).pow(2).sum().backward()
+        opt.step()
+    assert not torch.equal(table.weight[ids], torch.from_file(str(path), size=vocab * width).view(vocab, width)[ids])
+    assert dirty_kb() <= 4 * 2 * len(ids), dirty_kb()  # a page or two per row, of 3125
+
+
 def test_a_host_table_steps_the_same_under_another_default_device():
     """The row update makes its buffers where the table is, not on a default device a `with torch.device(...)`
     block sets (meta here: any other device would fail the same way)."""
