@@ -452,3 +452,27 @@ def test_torch_adamw_over_the_host_tables_of_a_cuda_model_is_named(caplog):
     with caplog.at_level("WARNING"):
         optimizer.step()
     assert "steps STEM tables in host memory with dense gradients" in caplog.text
+
+
+def test_compiled_row_updates_of_resident_cuda_tables_match_eager_and_host_tables():
+    """Resident tables on the GPU: `RowSparseAdamW(compiled_rows=True)` (a Triton kernel or two) against the eager
+    pass; host tables (the fused per-row kernel on the host's workers) against both. Three steps, sparse gradients."""
+    from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
+
+    ids = _ids((2, 12), seed=3).to(CUDA)
+    models = []
+    for resident, compiled in ((True, False), (True, True), (False, False)):
+        torch.manual_seed(0)
+        model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], keep_tables_on_cpu=not resident)
+        model.to(CUDA).train()
+        assert all((t.weight.device.type == "cuda") is resident for t in model.model.stem_tables.values())
+        use_sparse_table_grads(model)
+        optimizer = RowSparseAdamW(param_groups(model, 1e-2, 0.1, row_sparse_tables=True), compiled_rows=compiled)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+        models.append(model)
+    for other in models[1:]:
+        for a, b in zip(models[0].parameters(), other.parameters(), strict=True):
+            _assert_close(b, a, FP32_TOL)
