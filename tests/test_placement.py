@@ -523,11 +523,29 @@ def test_write_behind_is_the_default_only_with_host_tables_under_an_accelerator(
     assert not write_behind_default(model, SimpleNamespace(device=cuda, torch_compile=False), sparse_table_grads=True)
 
 
-def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(tmp_path, monkeypatch):
-    """Accumulation, clipping and a learning-rate schedule that changes every step: the same weights, bit for bit."""
+@pytest.fixture
+def row_workers(monkeypatch):
+    """Host rows shared out to two serial row workers (a fresh pool) from two rows a step, so that tiny models take
+    that path; torch's thread count is put back after."""
+    from stem_hf import training
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(training, "_ROW_WORKERS", None)
+    monkeypatch.setattr(training, "ROWS_PER_WORKER", 1)
+    yield
+    if training._ROW_WORKERS is not None:
+        training._ROW_WORKERS[0].shutdown()
+    torch.set_num_threads(threads)
+
+
+def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(tmp_path, monkeypatch, row_workers):
+    """Accumulation, clipping and a learning-rate schedule that changes every step: the same weights, bit for bit. The
+    rows go to the row workers, from the main thread or from the writer."""
     from datasets import Dataset
     from transformers import TrainerCallback, TrainingArguments
 
+    from stem_hf import training
     from stem_hf.training import RowSparseAdamW, StemTrainer
 
     ids = torch.randint(3, 96, (8, 10), generator=torch.Generator().manual_seed(2)).tolist()
@@ -567,15 +585,16 @@ def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(
         trainer.train()
         assert set(writers) == ({"stem-table-writer"} if behind else {"MainThread"}) and len(writers) == 9
         assert not any(hasattr(t.weight, "stem_pending_write") for t in model.model.stem_tables.values())
+        assert training._ROW_WORKERS is not None
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_own(monkeypatch):
+def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_own(monkeypatch, row_workers):
     """A DataLoader forks its workers right after a step: no write may be mid-way in the child's copy of the tables,
-    and the child, which has no writer thread, gets one of its own."""
+    and the child, which has no writer thread and no row workers, gets its own."""
     from stem_hf import training
 
     _host_served(monkeypatch)
@@ -591,7 +610,10 @@ def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_o
     def child() -> bool:
         tables = model.model.stem_tables.values()
         ok = not any(hasattr(t.weight, "stem_pending_write") for t in tables) and training._TABLE_WRITER is None
+        ok = ok and training._ROW_WORKERS is None
+        ok = ok and training._row_workers()[0].submit(lambda: 7).result(timeout=10) == 7
         return ok and training._table_writer().submit(lambda: 42).result(timeout=10) == 42
 
     assert _in_forked_child(child)  # the fork waits for the held writes first
     assert release.is_set()
+    assert training._ROW_WORKERS is not None  # the writes shared their rows out: the parent forked with row workers
