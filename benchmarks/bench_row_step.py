@@ -9,13 +9,13 @@ uniform or Zipf-distributed:
   `fused_one_call_other_thread` stepped from a thread of its own, as the table writer does; `chunked`, rows gathered,
   updated by torch's elementwise operations and scattered back in cache-sized chunks (`ROW_CHUNK_ELEMENTS`, what bf16
   tables take); `one_pass`, the chunked update over all of the batch's rows at once; `compiled`, the rows' gather,
-  update and scatter by one function compiled by inductor (`RowSparseAdamW(compiled_rows=True)`, meant for tables on
-  an accelerator), compiled in the warm-up steps.
+  update and scatter by one function compiled by inductor (`RowSparseAdamW(compiled_rows=True)`, which applies to
+  tables on an accelerator: the table is taken for one here), compiled in the warm-up steps.
 - `write_behind`: three tables' steps, fused and chunked; how long `step()` holds the calling thread (the one that
   would launch the accelerator's work) when it writes the rows itself and when a worker writes them behind, and how
   long until the rows are written.
 
-    .venv/bin/python benchmarks/bench_row_step.py --repeats 7     # JSON in benchmarks/results/bench_row_step.json
+    .venv/bin/python benchmarks/bench_row_step.py --repeats 7     # --warmup 12; JSON in benchmarks/results/bench_row_step.json
 
 How much of the writing a GPU hides is `bench_gpu.py`'s `host_row_sparse_adamw_write_behind` (it needs a GPU).
 """
@@ -58,7 +58,7 @@ def tables(n: int) -> list[torch.nn.Parameter]:
     return params
 
 
-def run_row_step(kind: str, repeats: int) -> dict:
+def run_row_step(kind: str, repeats: int, warmup: int) -> dict:
     """One table, each way in turn on the same batches (each its own table and state)."""
     variants = {  # FUSED_HOST_ROWS, ROW_CHUNK_ELEMENTS, ROWS_PER_WORKER, stepped from a thread of its own
         "fused": (True, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),
@@ -69,6 +69,7 @@ def run_row_step(kind: str, repeats: int) -> dict:
         "compiled": (False, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),  # `compiled_rows=True`
     }
     defaults = training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER
+    in_host_memory = training._in_host_memory
     other_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-writer")  # as the table writer steps its tables
     (start,) = tables(1)
     params = {name: torch.nn.Parameter(start.detach().clone()) for name in variants}
@@ -78,20 +79,25 @@ def run_row_step(kind: str, repeats: int) -> dict:
         for k, p in params.items()
     }
     times = {k: [] for k in variants}
-    for step in range(repeats + 2):  # two warm-up steps: the slots exist, as in a run already going
+    # Warm-up steps: the slots exist and most rows have been updated once (the fused update makes a row's views then),
+    # as in a run already going.
+    for step in range(repeats + warmup):
         rows = batch_rows(kind, step)
         order = list(variants)[step % len(variants) :] + list(variants)[: step % len(variants)]
         for name in order:
             params[name].grad = sparse_grad(rows, step)
             *settings, elsewhere = variants[name]
             training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER = settings
+            # `compiled_rows` applies to tables on an accelerator: this host table is taken for one, to time it here.
+            training._in_host_memory = (lambda param: False) if name == "compiled" else in_host_memory
             start = time.perf_counter()
             if elsewhere:
                 other_thread.submit(optimizers[name].step).result()
             else:
                 optimizers[name].step()
-            if step >= 2:
+            if step >= warmup:
                 times[name].append(time.perf_counter() - start)
+    training._in_host_memory = in_host_memory
     training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER = defaults
     other_thread.shutdown()
     out = {"rows": len(batch_rows(kind, 0)), "chunk_rows": max(1, variants["chunked"][1] // D_FF)}
@@ -109,7 +115,7 @@ def run_row_step(kind: str, repeats: int) -> dict:
     return out
 
 
-def run_write_behind(repeats: int, n_tables: int = 3) -> dict:
+def run_write_behind(repeats: int, warmup: int, n_tables: int = 3) -> dict:
     """`n_tables` tables stepped together, in step and then behind (the same batches, fresh tables and state), with the
     fused update (its rows shared out to serial worker threads) and with the chunked one."""
     out = {"tables": n_tables}
@@ -121,7 +127,7 @@ def run_write_behind(repeats: int, n_tables: int = 3) -> dict:
             params = tables(n_tables)
             optimizer = RowSparseAdamW([{"params": params, "row_sparse": True}], lr=1e-3, write_behind=behind)
             returns, written = [], []
-            for step in range(repeats + 2):
+            for step in range(repeats + warmup):
                 optimizer.settle()
                 rows = batch_rows("uniform", step)
                 for i, param in enumerate(params):
@@ -130,7 +136,7 @@ def run_write_behind(repeats: int, n_tables: int = 3) -> dict:
                 optimizer.step()
                 returned = time.perf_counter()
                 optimizer.settle()
-                if step >= 2:
+                if step >= warmup:
                     returns.append(returned - start)
                     written.append(time.perf_counter() - start)
             out[update]["behind" if behind else "in_step"] = {
@@ -149,6 +155,7 @@ def run_write_behind(repeats: int, n_tables: int = 3) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=12, help="steps before the timed ones")
     parser.add_argument("--out", default="benchmarks/results/bench_row_step.json")
     args = parser.parse_args()
     report = {
@@ -156,8 +163,9 @@ def main() -> None:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "repeats": args.repeats,
-        "row_step": {kind: run_row_step(kind, args.repeats) for kind in ("uniform", "zipf")},
-        "write_behind": run_write_behind(args.repeats),
+        "warmup": args.warmup,
+        "row_step": {kind: run_row_step(kind, args.repeats, args.warmup) for kind in ("uniform", "zipf")},
+        "write_behind": run_write_behind(args.repeats, args.warmup),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:

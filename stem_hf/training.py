@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import itemgetter
 
 import torch
 from accelerate.utils import DynamoBackend, is_compiled_module
@@ -99,34 +100,41 @@ def _unmark(param: torch.Tensor, write: TableWrite) -> None:
 
 def _row_workers() -> tuple[ThreadPoolExecutor, int] | None:
     """Threads that each run the fused row kernel serially (one intra-op thread each) on a share of a step's rows, and
-    how many; None where torch runs one intra-op thread. The kernel's own parallel loop starts an OpenMP region for
-    every row tensor, which, from a thread other than the main one (the table writer), costs more than the row."""
+    how many; None where the calling thread runs one intra-op thread. The kernel's own parallel loop starts an OpenMP
+    region for every row tensor, which costs more than the row's update once other threads have OpenMP teams too."""
     global _ROW_WORKERS
+    if torch.get_num_threads() == 1:
+        return None
     with _ROW_WORKERS_LOCK:
-        count = torch.get_num_threads()
-        if _ROW_WORKERS is None and count > 1:
-            started = threading.Barrier(count + 1)
+        if _ROW_WORKERS is None:
+            count = torch.get_num_threads()
+            started, default = threading.Barrier(count + 1, timeout=60), []
 
             def serial() -> None:
-                torch.get_num_threads()  # torch sets a thread's count at its first parallel call: have it done first
+                default.append(torch.get_num_threads())  # a new thread's count: torch's process-wide one, as of now
                 torch.set_num_threads(1)
                 started.wait()
 
             workers = ThreadPoolExecutor(count, thread_name_prefix="stem-row-update", initializer=serial)
-            for _ in range(count):  # each submit starts a thread: none is idle yet, all wait in `serial`
-                workers.submit(lambda: None)
-            started.wait()
-            # `set_num_threads` also sets torch's process-wide count that threads started later begin with: put back
-            # this thread's own, so only the workers run serially.
-            torch.set_num_threads(count)
+            try:
+                for _ in range(count):  # each submit starts a thread: none is idle yet, all wait in `serial`
+                    workers.submit(lambda: None)
+                started.wait()
+            except BaseException:
+                started.abort()
+                workers.shutdown(wait=False)
+                raise
+            # `set_num_threads` also set the process-wide count that threads started later begin with: put it back.
+            torch.set_num_threads(default[0])
             _ROW_WORKERS = workers, count
         return _ROW_WORKERS
 
 
 def _forget_table_writer() -> None:
-    global _TABLE_WRITER, _ROW_WORKERS
+    global _TABLE_WRITER, _ROW_WORKERS, _ROW_WORKERS_LOCK
     _TABLE_WRITER = None  # a forked child has the parent's executors but not their threads
     _ROW_WORKERS = None
+    _ROW_WORKERS_LOCK = threading.Lock()  # another thread may have held it at the fork
 
 
 def _drain_table_writer() -> None:
@@ -153,10 +161,10 @@ def adamw_rows(
     grad: torch.Tensor,
     settings: torch.Tensor,
 ) -> None:
-    """`RowSparseAdamW`'s lazy AdamW of the distinct `rows` (gradients `grad`, moments and step counts at `slots`), in
-    place, as one function for `torch.compile` to fuse: the gathers, the update and the scatters in a kernel or two,
-    where eager runs about twenty. `settings`: lr, beta1, beta2, eps and weight decay, a tensor so that a new learning
-    rate is not a recompile."""
+    """`RowSparseAdamW`'s lazy AdamW of `rows` (distinct: each is written once; gradients `grad`, moments and step
+    counts at `slots`, as float32), in place, as one function for `torch.compile` to fuse: the gathers, the update and
+    the scatters, where eager launches about twenty kernels. `settings`: lr, beta1, beta2, eps and weight decay, a
+    tensor so that a new learning rate is not a recompile."""
     lr, beta1, beta2, eps, weight_decay = settings.unbind()
     step = steps[slots] + 1
     grad = grad.to(STATE_DTYPE)
@@ -216,6 +224,20 @@ def param_groups(
     return [group for group in groups if group["params"]]
 
 
+def _in_host_memory(param: torch.Tensor) -> bool:
+    """Whether a table's rows are updated by the host's code paths (the fused per-row kernel, chunks)."""
+    return param.device.type == "cpu"
+
+
+def _memory(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device
+
+
+def _same_memory(held: tuple, tensor: torch.Tensor) -> bool:
+    """Whether views cached as `held` (the tensor, its memory, its views) are still views of `tensor`."""
+    return held[0] is tensor and held[1] == _memory(tensor)
+
+
 class RowSparseAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with fp32 moments and fp32 update math for every parameter.
 
@@ -229,9 +251,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
     CPU AdamW kernel on worker threads (`FUSED_HOST_ROWS`); other host tables in chunks of `ROW_CHUNK_ELEMENTS`;
     tables on an accelerator in one pass of torch's operations.
 
-    `compiled_rows=True`: every table's rows updated by `adamw_rows` under `torch.compile` (dynamic shapes: one compile
-    for every table and row count), meant for tables on an accelerator, where it fuses the eager pass's kernels; on
-    the host the fused kernel is faster. Not with `write_behind`.
+    `compiled_rows=True`: the rows of tables on an accelerator updated by `adamw_rows` under `torch.compile` (dynamic
+    shapes: one graph for every table and row count above one, per device and dtype), which fuses the eager pass's
+    kernels; tables in host memory keep the fused per-row kernel, which is faster there.
 
     `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
     `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
@@ -254,11 +276,6 @@ class RowSparseAdamW(torch.optim.Optimizer):
     ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"RowSparseAdamW: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
-        if compiled_rows and write_behind:
-            raise ValueError(
-                "RowSparseAdamW: compiled_rows is for tables on an accelerator, write_behind for tables in host memory "
-                "(updated by the fused per-row kernel): choose one"
-            )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "row_sparse": row_sparse}
         self.write_behind = write_behind
         self.compiled_rows = compiled_rows
@@ -277,6 +294,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self.settle()
+        self._drop_stale_row_views()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -309,7 +327,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         self.settle()  # a copy or pickle takes the written rows' state, never a half-written one
-        return super().__getstate__()
+        return {**super().__getstate__(), "compiled_rows": self.compiled_rows}
 
     def __setstate__(self, state: dict) -> None:
         # torch's Optimizer pickles and copies defaults, state and groups only: a copy writes in step, with no writes.
@@ -389,13 +407,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     ) -> None:
         """Lazy AdamW of the distinct `rows`, gradients `values`; also on the writer thread, where no_grad is off."""
         with torch.no_grad():
-            fused = (
-                FUSED_HOST_ROWS
-                and not self.compiled_rows
-                and param.device.type == "cpu"
-                and param.dtype == values.dtype == STATE_DTYPE
-                and param.is_contiguous()
-            )
+            on_host = _in_host_memory(param)
+            fused = FUSED_HOST_ROWS and on_host and param.dtype == values.dtype == STATE_DTYPE and param.is_contiguous()
             kept = None  # the moved rows' places in `values`, where some did not move
             if sparse:  # a row in the batch with no gradient moves no more than under dense gradients
                 moved = torch.linalg.vector_norm(values, 0, dim=1) > 0
@@ -422,17 +435,17 @@ class RowSparseAdamW(torch.optim.Optimizer):
             if fused:
                 self._fused_rows(param, state, rows, slots, values, kept, hyper)
                 return
-            if self.compiled_rows:
+            self._row_views.pop(param, None)  # a table no longer updated row by row: its views go
+            if self.compiled_rows and not on_host:
                 beta1, beta2 = hyper["betas"]
                 settings = [hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]]
-                settings = torch.tensor(settings, dtype=torch.float64, device=param.device)  # inputs: no recompile
+                settings = torch.tensor(settings, dtype=STATE_DTYPE, device=param.device)  # inputs: no recompile
                 tensors = state["exp_avg"], state["exp_avg_sq"], state["steps"]
                 # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
                 inputs = rows.detach(), slots.detach(), values.detach()
                 _compiled_adamw_rows()(param, *tensors, *inputs, settings)
                 return
             width = max(1, param.shape[1])
-            on_host = param.device.type == "cpu"
             chunk = max(1, ROW_CHUNK_ELEMENTS // width) if on_host else len(rows)
             # On the host, each chunk reuses the same buffers: fresh ones are new memory, page-faulted in every chunk.
             shape = (min(chunk, len(rows)), param.shape[1])
@@ -475,32 +488,17 @@ class RowSparseAdamW(torch.optim.Optimizer):
         grads = values.contiguous().unbind(0)
         if kept is not None:
             grads = [grads[i] for i in kept.tolist()]
-        table, exp_avg, exp_avg_sq, steps = (
-            self._views(param, key, tensor)
-            for key, tensor in (
-                ("param", param),
-                ("exp_avg", state["exp_avg"]),
-                ("exp_avg_sq", state["exp_avg_sq"]),
-                ("steps", state["steps"]),
-            )
+        lists = (
+            self._rows(param, "param", param, rows, where),
+            list(grads),
+            self._rows(param, "exp_avg", state["exp_avg"], slots, at),
+            self._rows(param, "exp_avg_sq", state["exp_avg_sq"], slots, at),
         )
-        lists = [table[i] for i in where], list(grads), [exp_avg[i] for i in at], [exp_avg_sq[i] for i in at]
-        counts = [steps[i] for i in at]
-        beta1, beta2 = hyper["betas"]
+        counts = self._rows(param, "steps", state["steps"], slots, at)
 
         def update(start: int, stop: int) -> None:
-            torch._fused_adamw_(
-                *(rows_of[start:stop] for rows_of in lists),
-                [],
-                counts[start:stop],
-                lr=hyper["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=hyper["weight_decay"],
-                eps=hyper["eps"],
-                amsgrad=False,
-                maximize=False,
-            )
+            with torch.no_grad():  # per thread: a worker's would be on, and the views are of parameters
+                self._fused_kernel(lists, counts, start, stop, hyper)
 
         workers = _row_workers() if len(at) >= 2 * ROWS_PER_WORKER else None
         if workers is None:
@@ -509,21 +507,70 @@ class RowSparseAdamW(torch.optim.Optimizer):
         pool, count = workers
         parts = min(count, len(at) // ROWS_PER_WORKER)
         bounds = [len(at) * i // parts for i in range(parts + 1)]  # rows are sorted: a share is one stretch of table
-        shares = [pool.submit(update, start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
-        errors = [share.exception() for share in shares]  # waits for every share, even after one failed
+        shares = []
+        try:
+            for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+                shares.append(pool.submit(update, start, stop))
+        finally:
+            errors = [share.exception() for share in shares]  # waits for every share, even after one failed
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
 
-    def _views(self, param: torch.Tensor, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`tensor`'s rows as tensors, kept from step to step while `tensor` is the same memory: unbinding a whole table
-        again at every step would cost more than its rows' update."""
+    @staticmethod
+    def _fused_kernel(lists: tuple[list, ...], counts: list, start: int, stop: int, hyper: dict) -> None:
+        beta1, beta2 = hyper["betas"]
+        torch._fused_adamw_(
+            *(rows_of[start:stop] for rows_of in lists),
+            [],
+            counts[start:stop],
+            lr=hyper["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+
+    def _rows(
+        self, param: torch.Tensor, key: str, tensor: torch.Tensor, index: torch.Tensor, indices: list[int]
+    ) -> list[torch.Tensor]:
+        """Rows `index` (as a list: `indices`) of `tensor` as tensors of their own. A row's view, made the first time
+        the row is updated, is kept for the next steps while `tensor` is the same memory (the views of a replaced
+        table or state go at the next step, or with `drop_row_views`): making them at every step would cost a fifth
+        of the update, and views of every row would grow with the vocabulary."""
         cache = self._row_views.setdefault(param, {})
-        ident = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         held = cache.get(key)
-        if held is None or held[0] is not tensor or held[1] != ident:
-            held = cache[key] = (tensor, ident, tensor.unbind(0))
-        return held[2]
+        if held is None or not _same_memory(held, tensor):
+            made = torch.zeros(tensor.shape[0], dtype=torch.bool, device=tensor.device)
+            held = cache[key] = (tensor, _memory(tensor), [None] * tensor.shape[0], made)
+        views, made = held[2], held[3]
+        new = index[~made[index]]
+        if new.numel():
+            for i in new.tolist():
+                views[i] = tensor[i]
+            made[new] = True
+        return list(itemgetter(*indices)(views)) if len(indices) > 1 else [views[i] for i in indices]
+
+    def drop_row_views(self) -> None:
+        """Drops the row views the fused host update keeps between steps (they hold the memory of the tables and
+        state they view); the next step makes the ones it needs. `StemTrainer.train()` does so before it returns."""
+        self.settle()
+        self._row_views = {}
+
+    def _drop_stale_row_views(self) -> None:
+        """A table or state tensor replaced since the last step (a cast, a move, a grown or loaded state): its views
+        go, and with them the old memory."""
+        for param in list(self._row_views):
+            cache = self._row_views[param]
+            state = self.state.get(param, {})
+            current = {"param": param, **{k: state.get(k) for k in ("exp_avg", "exp_avg_sq", "steps")}}
+            for key in list(cache):
+                if current[key] is None or not _same_memory(cache[key], current[key]):
+                    del cache[key]
+            if not cache:
+                del self._row_views[param]
 
     @staticmethod
     def _grow(state: dict, param: torch.Tensor, needed: int) -> None:
@@ -562,6 +609,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.settle()
+        self._row_views = {}  # views of the state being replaced
         # torch casts floating-point state to each parameter's dtype (bf16 tables would get bf16 moments) and every
         # state tensor of a float parameter to that dtype (slot indices included): restore the saved dtypes after.
         saved = state_dict["state"]
@@ -840,7 +888,7 @@ class StemTrainer(Trainer):
     def _settle_tables(self) -> None:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
         if isinstance(optimizer, RowSparseAdamW):
-            optimizer.settle()
+            optimizer.drop_row_views()  # settles first; the views would hold the tables' memory after train()
 
     def _clip_grad_norm(self, model):
         if not self.sparse_table_grads:

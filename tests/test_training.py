@@ -249,13 +249,32 @@ def test_fused_host_rows_follow_a_table_and_state_that_moved():
                 old = table.weight.data
                 table.weight.data = old.clone()  # new memory, same values
                 opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors, same values
-                frozen = old.clone()
+                frozen, loaded = old.clone(), opt.state[table.weight]["exp_avg"]
+                before = loaded.clone()
             opt.zero_grad()
             table(ids).pow(2).sum().backward()
             opt.step()
         runs.append(table.weight.detach().clone())
+        views = opt._row_views[table.weight]
+        live = {"param": table.weight, **opt.state[table.weight]}
+        for key, (tensor, _, rows, made) in views.items():  # views of the live tensors only, one per row touched
+            rows = [row for row in rows if row is not None]
+            assert tensor is live[key] and len(rows) == len(ids) == int(made.sum()), key
+            assert all(row.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() for row in rows)
     assert torch.equal(runs[0], runs[1])
     assert torch.equal(old, frozen)  # the memory the table left was not written
+    assert loaded is opt.state[table.weight]["exp_avg"] and not torch.equal(loaded, before)  # the loaded state moved
+    opt.drop_row_views()
+    assert opt._row_views == {}
+    opt.zero_grad()
+    table(ids).pow(2).sum().backward()
+    opt.step()
+    assert table.weight in opt._row_views
+    table.to(torch.bfloat16)  # now the chunked update's: the views of the float32 memory must not outlive it
+    opt.zero_grad()
+    table(ids).float().pow(2).sum().backward()
+    opt.step()
+    assert table.weight not in opt._row_views
 
 
 def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as_they_were(monkeypatch):
@@ -310,13 +329,14 @@ def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as
 
 
 def test_compiled_rows_give_the_eager_update_in_one_graph(monkeypatch):
-    """`compiled_rows=True` (meant for tables on an accelerator; here on the CPU, inductor's C++): the chunked eager
-    update to rounding, as rows come and go, slots grow and a scheduler moves the learning rate, all in one graph."""
+    """`compiled_rows=True` for tables on an accelerator (CPU tables stand in, compiled by inductor's C++): the eager
+    one-pass update to rounding, as rows come and go, slots grow and a scheduler moves the learning rate, all in one
+    graph."""
     from torch._dynamo.utils import counters
 
     from stem_hf import training
 
-    monkeypatch.setattr(training, "FUSED_HOST_ROWS", False)  # the reference: torch's eager operations
+    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)  # CPU tables stand in for a GPU's
     monkeypatch.setattr(training, "_COMPILED_ADAMW_ROWS", None)
     counters.clear()
     results = []
@@ -348,15 +368,40 @@ def test_compiled_rows_give_the_eager_update_in_one_graph(monkeypatch):
         assert torch.equal(state[key], expected_state[key]), key
     for key in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(state[key], expected_state[key], rtol=1e-4, atol=1e-7, msg=key)
-    with pytest.raises(ValueError, match="compiled_rows is for tables on an accelerator"):
-        RowSparseAdamW(table.parameters(), compiled_rows=True, write_behind=True)
+    assert copy.deepcopy(RowSparseAdamW(table.parameters(), compiled_rows=True)).compiled_rows  # a copy keeps it
 
 
-def test_compiled_rows_write_only_the_touched_rows(tmp_path):
+def test_compiled_rows_equal_torch_adamw_where_every_row_steps(monkeypatch):
+    from stem_hf import training
+
+    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(40, 32, sparse=True)
+    reference = torch.nn.Embedding(40, 32)
+    reference.load_state_dict(table.state_dict())
+    ours = RowSparseAdamW(
+        [{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1, compiled_rows=True
+    )
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    start = table.weight.detach().clone()
+    for step in range(5):
+        scale = torch.randn(40, 32, generator=torch.Generator().manual_seed(step))
+        for module, optimizer in ((table, ours), (reference, theirs)):
+            optimizer.zero_grad()
+            (module(torch.arange(40)) * scale).sum().backward()
+            optimizer.step()
+    torch.testing.assert_close(table.weight, reference.weight, rtol=1e-5, atol=1e-6)
+    assert (table.weight - start).abs().amax(dim=1).min() > 1e-3  # every row moved, by steps of 1e-2
+
+
+def test_compiled_rows_write_only_the_touched_rows(tmp_path, monkeypatch):
     """The compiled update writes the batch's rows in place, never the whole table back (as a functional graph's copy
     of a mutated input would). The table is a private mapping of a file, so every page written becomes dirty."""
     import re
 
+    from stem_hf import training
+
+    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
     vocab, width = 50_000, 64  # 12.8 MB, 3125 pages of 4 KB
     path = tmp_path / "table.bin"
     torch.randn(vocab, width).numpy().tofile(path)
@@ -383,6 +428,36 @@ def test_compiled_rows_write_only_the_touched_rows(tmp_path):
         opt.step()
     assert not torch.equal(table.weight[ids], torch.from_file(str(path), size=vocab * width).view(vocab, width)[ids])
     assert dirty_kb() <= 4 * 2 * len(ids), dirty_kb()  # a page or two per row, of 3125
+
+
+def test_row_workers_made_by_a_thread_with_another_count_leave_torch_s_default_as_the_user_set_it(monkeypatch):
+    """The pool may be made by the table writer, whose thread count was fixed before the user changed torch's: the
+    process-wide count that new threads start with stays the user's."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stem_hf import training
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(training, "_ROW_WORKERS", None)
+    writer = ThreadPoolExecutor(1)
+    try:
+        torch.set_num_threads(2)
+        assert writer.submit(torch.get_num_threads).result() == 2  # its count is fixed from here on
+        torch.set_num_threads(1)  # the user's, after
+        pool, count = writer.submit(training._row_workers).result()
+        assert count == 2 and pool.submit(torch.get_num_threads).result() == 1
+        later = []
+        started = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        started.start()
+        started.join()
+        assert later == [1]
+        assert training._row_workers() is None  # this thread runs one intra-op thread: no split
+    finally:
+        writer.shutdown()
+        if training._ROW_WORKERS is not None:
+            training._ROW_WORKERS[0].shutdown()
+        torch.set_num_threads(threads)
 
 
 def test_a_host_table_steps_the_same_under_another_default_device():
