@@ -15,7 +15,7 @@ uniform or Zipf-distributed:
   would launch the accelerator's work) when it writes the rows itself and when a worker writes them behind, and how
   long until the rows are written.
 
-    .venv/bin/python benchmarks/bench_row_step.py --repeats 7     # --warmup 12; JSON in benchmarks/results/bench_row_step.json
+    .venv/bin/python benchmarks/bench_row_step.py --repeats 7     # JSON in benchmarks/results/bench_row_step.json
 
 How much of the writing a GPU hides is `bench_gpu.py`'s `host_row_sparse_adamw_write_behind` (it needs a GPU).
 """
