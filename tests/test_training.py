@@ -179,24 +179,34 @@ def test_host_table_chunks_reuse_their_buffers(monkeypatch):
     assert counts[0] == counts[1] and counts[0] <= 6, counts
 
 
-def test_fused_host_rows_equal_torch_fused_adamw_where_every_row_steps():
-    """Float32 host rows take torch's fused CPU AdamW kernel one row at a time: where every row has a gradient at every
-    step, lazy AdamW is AdamW, and the result is `torch.optim.AdamW(fused=True)`'s bit for bit."""
-    from stem_hf import training
-
-    assert training.FUSED_HOST_ROWS
+def _every_row_steps(compiled_rows: bool, fused: bool):
+    """Five steps of `RowSparseAdamW` on a 40-row table and of torch's AdamW on its copy, every row with a gradient at
+    every step (where lazy AdamW is AdamW); returns both tables, our optimizer and the table's first weights."""
     torch.manual_seed(0)
     table = torch.nn.Embedding(40, 32, sparse=True)
     reference = torch.nn.Embedding(40, 32)
     reference.load_state_dict(table.state_dict())
-    ours = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1)
-    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    start = table.weight.detach().clone()
+    groups = [{"params": table.parameters(), "row_sparse": True}]
+    ours = RowSparseAdamW(groups, lr=1e-2, weight_decay=0.1, compiled_rows=compiled_rows)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     for step in range(5):
         scale = torch.randn(40, 32, generator=torch.Generator().manual_seed(step))
         for module, optimizer in ((table, ours), (reference, theirs)):
             optimizer.zero_grad()
             (module(torch.arange(40)) * scale).sum().backward()
             optimizer.step()
+    assert (table.weight - start).abs().amax(dim=1).min() > 1e-3  # every row moved, by steps of 1e-2
+    return table, reference, ours, theirs
+
+
+def test_fused_host_rows_equal_torch_fused_adamw_where_every_row_steps():
+    """Float32 host rows take torch's fused CPU AdamW kernel one row at a time: the result is
+    `torch.optim.AdamW(fused=True)`'s bit for bit."""
+    from stem_hf import training
+
+    assert training.FUSED_HOST_ROWS
+    table, reference, ours, theirs = _every_row_steps(compiled_rows=False, fused=True)
     assert torch.equal(table.weight, reference.weight)
     state = ours.state[table.weight]
     assert torch.equal(state["exp_avg"][state["slot"]], theirs.state[reference.weight]["exp_avg"])
@@ -374,24 +384,9 @@ def test_compiled_rows_give_the_eager_update_in_one_graph(monkeypatch):
 def test_compiled_rows_equal_torch_adamw_where_every_row_steps(monkeypatch):
     from stem_hf import training
 
-    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
-    torch.manual_seed(0)
-    table = torch.nn.Embedding(40, 32, sparse=True)
-    reference = torch.nn.Embedding(40, 32)
-    reference.load_state_dict(table.state_dict())
-    ours = RowSparseAdamW(
-        [{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1, compiled_rows=True
-    )
-    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    start = table.weight.detach().clone()
-    for step in range(5):
-        scale = torch.randn(40, 32, generator=torch.Generator().manual_seed(step))
-        for module, optimizer in ((table, ours), (reference, theirs)):
-            optimizer.zero_grad()
-            (module(torch.arange(40)) * scale).sum().backward()
-            optimizer.step()
+    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)  # CPU tables stand in for a GPU's
+    table, reference, _, _ = _every_row_steps(compiled_rows=True, fused=False)
     torch.testing.assert_close(table.weight, reference.weight, rtol=1e-5, atol=1e-6)
-    assert (table.weight - start).abs().amax(dim=1).min() > 1e-3  # every row moved, by steps of 1e-2
 
 
 def test_compiled_rows_write_only_the_touched_rows(tmp_path, monkeypatch):
