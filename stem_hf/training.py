@@ -124,8 +124,12 @@ def _row_workers() -> tuple[ThreadPoolExecutor, int] | None:
                 started.abort()
                 workers.shutdown(wait=False)
                 raise
-            # `set_num_threads` also set the process-wide count that threads started later begin with: put it back.
-            torch.set_num_threads(default[0])
+            finally:
+                if default:  # the workers' `set_num_threads` also set the count new threads start with: put it back,
+                    # from a thread of its own, since the call sets its caller's count too
+                    restore = threading.Thread(target=torch.set_num_threads, args=(default[0],))
+                    restore.start()
+                    restore.join()
             _ROW_WORKERS = workers, count
         return _ROW_WORKERS
 
@@ -253,7 +257,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     `compiled_rows=True`: the rows of tables on an accelerator updated by `adamw_rows` under `torch.compile` (dynamic
     shapes: one graph for every table and row count above one, per device and dtype), which fuses the eager pass's
-    kernels; tables in host memory keep the fused per-row kernel, which is faster there.
+    kernels; tables in host memory keep the host's paths (the fused per-row kernel is faster there).
 
     `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
     `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
@@ -556,8 +560,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
     def drop_row_views(self) -> None:
         """Drops the row views the fused host update keeps between steps (they hold the memory of the tables and
         state they view); the next step makes the ones it needs. `StemTrainer.train()` does so before it returns."""
-        self.settle()
-        self._row_views = {}
+        try:
+            self.settle()
+        finally:
+            self._row_views = {}  # settle() raises only once every write is done
 
     def _drop_stale_row_views(self) -> None:
         """A table or state tensor replaced since the last step (a cast, a move, a grown or loaded state): its views

@@ -532,10 +532,12 @@ def row_workers(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     monkeypatch.setattr(training, "_ROW_WORKERS", None)
+    monkeypatch.setattr(training, "_TABLE_WRITER", None)  # a writer started now: its thread count is fixed at its start
     monkeypatch.setattr(training, "ROWS_PER_WORKER", 1)
     yield
-    if training._ROW_WORKERS is not None:
-        training._ROW_WORKERS[0].shutdown()
+    for made in (training._ROW_WORKERS and training._ROW_WORKERS[0], training._TABLE_WRITER):
+        if made is not None:
+            made.shutdown()
     torch.set_num_threads(threads)
 
 
@@ -572,7 +574,14 @@ def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(
                 assert step_ended.wait_for(lambda: ended[0] > (len(writers) - 1) // 3, timeout=30)
         update(self, *a)
 
+    kernel, kernels = RowSparseAdamW._fused_kernel, []
+
+    def shared(*a):
+        kernels.append(threading.current_thread().name.split("_")[0])
+        kernel(*a)
+
     monkeypatch.setattr(RowSparseAdamW, "_row_update", recorded)
+    monkeypatch.setattr(RowSparseAdamW, "_fused_kernel", staticmethod(shared))
     models = []
     for behind in (False, True):
         torch.manual_seed(0)
@@ -581,11 +590,13 @@ def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(
             model=model, args=args, train_dataset=data, write_behind_tables=behind, callbacks=[StepEnds()]
         )
         writers.clear()
+        kernels.clear()
         ended[0] = 0
         trainer.train()
         assert set(writers) == ({"stem-table-writer"} if behind else {"MainThread"}) and len(writers) == 9
         assert not any(hasattr(t.weight, "stem_pending_write") for t in model.model.stem_tables.values())
-        assert training._ROW_WORKERS is not None
+        assert set(kernels) == {"stem-row-update"} and len(kernels) == 2 * 9  # two shares per table and step
+        assert training._ROW_WORKERS is not None and trainer.optimizer.optimizer._row_views == {}  # dropped at the end
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)

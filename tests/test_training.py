@@ -287,6 +287,31 @@ def test_fused_host_rows_follow_a_table_and_state_that_moved():
     assert table.weight not in opt._row_views
 
 
+def test_row_views_go_with_the_memory_they_view(monkeypatch):
+    """A table whose memory was replaced loses its row views at the next step even without a gradient of its own; a
+    table that leaves the fused update (here by switching it off) loses them at its step."""
+    from stem_hf import training
+
+    tables = [torch.nn.Embedding(20, 8, sparse=True) for _ in range(2)]
+    opt = RowSparseAdamW([{"params": [t.weight for t in tables], "row_sparse": True}], lr=1e-2)
+    ids = torch.tensor([1, 5, 9])
+
+    def step(*stepped):
+        opt.zero_grad(set_to_none=True)
+        for table in stepped:
+            table(ids).pow(2).sum().backward()
+        opt.step()
+
+    step(*tables)
+    assert set(opt._row_views) == {tables[0].weight, tables[1].weight}
+    tables[0].weight.data = tables[0].weight.data.clone()
+    step(tables[1])  # no gradient for the replaced table
+    assert "param" not in opt._row_views.get(tables[0].weight, {})
+    monkeypatch.setattr(training, "FUSED_HOST_ROWS", False)
+    step(tables[1])
+    assert tables[1].weight not in opt._row_views
+
+
 def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as_they_were(monkeypatch):
     """A step's rows are shared out to worker threads that each run the kernel serially: the same weights and state
     bit for bit as one call over all rows; the workers run one intra-op thread each, while the calling thread and the
@@ -439,14 +464,16 @@ def test_row_workers_made_by_a_thread_with_another_count_leave_torch_s_default_a
     try:
         torch.set_num_threads(2)
         assert writer.submit(torch.get_num_threads).result() == 2  # its count is fixed from here on
-        torch.set_num_threads(1)  # the user's, after
+        torch.set_num_threads(3)  # the user's, after
         pool, count = writer.submit(training._row_workers).result()
         assert count == 2 and pool.submit(torch.get_num_threads).result() == 1
+        assert writer.submit(torch.get_num_threads).result() == 2  # the pool's maker keeps its own count
         later = []
         started = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
         started.start()
         started.join()
-        assert later == [1]
+        assert later == [3] and torch.get_num_threads() == 3
+        torch.set_num_threads(1)
         assert training._row_workers() is None  # this thread runs one intra-op thread: no split
     finally:
         writer.shutdown()
