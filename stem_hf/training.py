@@ -542,8 +542,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     ) -> list[torch.Tensor]:
         """Rows `index` (as a list: `indices`) of `tensor` as tensors of their own. A row's view, made the first time
         the row is updated, is kept for the next steps while `tensor` is the same memory (the views of a replaced
-        table or state go at the next step, or with `drop_row_views`): making them at every step would cost a fifth
-        of the update, and views of every row would grow with the vocabulary."""
+        table or state go at the next step, or with `drop_row_views`): making them at every step would cost a Python
+        object per row per step, and views of every row would grow with the vocabulary, not the rows seen."""
         cache = self._row_views.setdefault(param, {})
         held = cache.get(key)
         if held is None or not _same_memory(held, tensor):
