@@ -202,3 +202,21 @@ def _converted(layers=(1, 2), init="fitted", tied=False):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def row_workers(monkeypatch):
+    """Host rows shared out to two serial row workers (a fresh pool, and a fresh table writer) from two rows a step,
+    so that tiny models take that path; torch's thread count is put back after."""
+    from stem_hf import training
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(training, "_ROW_WORKERS", None)
+    monkeypatch.setattr(training, "_TABLE_WRITER", None)  # a writer started now: its thread count is fixed at its start
+    monkeypatch.setattr(training, "ROWS_PER_WORKER", 1)
+    yield
+    for made in (training._ROW_WORKERS and training._ROW_WORKERS[0], training._TABLE_WRITER):
+        if made is not None:
+            made.shutdown()
+    torch.set_num_threads(threads)

@@ -523,24 +523,6 @@ def test_write_behind_is_the_default_only_with_host_tables_under_an_accelerator(
     assert not write_behind_default(model, SimpleNamespace(device=cuda, torch_compile=False), sparse_table_grads=True)
 
 
-@pytest.fixture
-def row_workers(monkeypatch):
-    """Host rows shared out to two serial row workers (a fresh pool) from two rows a step, so that tiny models take
-    that path; torch's thread count is put back after."""
-    from stem_hf import training
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    monkeypatch.setattr(training, "_ROW_WORKERS", None)
-    monkeypatch.setattr(training, "_TABLE_WRITER", None)  # a writer started now: its thread count is fixed at its start
-    monkeypatch.setattr(training, "ROWS_PER_WORKER", 1)
-    yield
-    for made in (training._ROW_WORKERS and training._ROW_WORKERS[0], training._TABLE_WRITER):
-        if made is not None:
-            made.shutdown()
-    torch.set_num_threads(threads)
-
-
 def test_stem_trainer_writing_host_tables_behind_trains_as_writing_them_in_step(tmp_path, monkeypatch, row_workers):
     """Accumulation, clipping and a learning-rate schedule that changes every step: the same weights, bit for bit. The
     rows go to the row workers, from the main thread or from the writer."""

@@ -312,7 +312,7 @@ def test_row_views_go_with_the_memory_they_view(monkeypatch):
     assert tables[1].weight not in opt._row_views
 
 
-def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as_they_were(monkeypatch):
+def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as_they_were(monkeypatch, row_workers):
     """A step's rows are shared out to worker threads that each run the kernel serially: the same weights and state
     bit for bit as one call over all rows; the workers run one intra-op thread each, while the calling thread and the
     threads started later keep torch's count (torch's `set_num_threads` also sets the count new threads start with)."""
@@ -320,47 +320,38 @@ def test_fused_host_rows_split_between_serial_workers_and_leave_torch_threads_as
 
     from stem_hf import training
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the split needs two intra-op threads, whatever this machine has
-    monkeypatch.setattr(training, "_ROW_WORKERS", None)  # a pool made here, with that count
-    monkeypatch.setattr(training, "ROWS_PER_WORKER", 8)
-    try:
-        results, calls = [], []
-        kernel = torch._fused_adamw_
+    results, calls = [], []
+    kernel = torch._fused_adamw_
 
-        def counted(*args, **kwargs):
-            calls.append((threading.current_thread().name, torch.get_num_threads(), len(args[0])))
-            return kernel(*args, **kwargs)
+    def counted(*args, **kwargs):
+        calls.append((threading.current_thread().name, torch.get_num_threads(), len(args[0])))
+        return kernel(*args, **kwargs)
 
-        monkeypatch.setattr(torch, "_fused_adamw_", counted)
-        for per_worker in (8, 1 << 30):  # shared out; one call in this thread
-            monkeypatch.setattr(training, "ROWS_PER_WORKER", per_worker)
-            torch.manual_seed(0)
-            table = torch.nn.Embedding(300, 32, sparse=True)
-            opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1)
-            for step in range(3):
-                ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(step))
-                opt.zero_grad()
-                table(ids).pow(2).sum().backward()
-                opt.step()
-            results.append((table.weight.detach().clone(), opt.state[table.weight]))
-        shared = [c for c in calls if c[0].startswith("stem-row-update")]
-        assert len(shared) == 6 and {c[1] for c in shared} == {1}, calls  # two shares a step, serial
-        assert sum(c[2] for c in shared) == sum(c[2] for c in calls if not c[0].startswith("stem-row-update"))
-        (weight, state), (expected_weight, expected_state) = results
-        assert torch.equal(weight, expected_weight)
-        for key, value in expected_state.items():
-            assert torch.equal(state[key], value), key
-        assert torch.get_num_threads() == 2
-        later = []
-        started = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-        started.start()
-        started.join()
-        assert later == [2]
-    finally:
-        if training._ROW_WORKERS is not None:
-            training._ROW_WORKERS[0].shutdown()
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(torch, "_fused_adamw_", counted)
+    for per_worker in (8, 1 << 30):  # shared out (two intra-op threads: the fixture's); one call in this thread
+        monkeypatch.setattr(training, "ROWS_PER_WORKER", per_worker)
+        torch.manual_seed(0)
+        table = torch.nn.Embedding(300, 32, sparse=True)
+        opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            table(ids).pow(2).sum().backward()
+            opt.step()
+        results.append((table.weight.detach().clone(), opt.state[table.weight]))
+    shared = [c for c in calls if c[0].startswith("stem-row-update")]
+    assert len(shared) == 6 and {c[1] for c in shared} == {1}, calls  # two shares a step, serial
+    assert sum(c[2] for c in shared) == sum(c[2] for c in calls if not c[0].startswith("stem-row-update"))
+    (weight, state), (expected_weight, expected_state) = results
+    assert torch.equal(weight, expected_weight)
+    for key, value in expected_state.items():
+        assert torch.equal(state[key], value), key
+    assert torch.get_num_threads() == 2
+    later = []
+    started = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    started.start()
+    started.join()
+    assert later == [2]
 
 
 def test_compiled_rows_give_the_eager_update_in_one_graph(monkeypatch):
@@ -450,7 +441,7 @@ def test_compiled_rows_write_only_the_touched_rows(tmp_path, monkeypatch):
     assert dirty_kb() <= 4 * 2 * len(ids), dirty_kb()  # a page or two per row, of 3125
 
 
-def test_row_workers_made_by_a_thread_with_another_count_leave_torch_s_default_as_the_user_set_it(monkeypatch):
+def test_row_workers_made_by_a_thread_with_another_count_leave_torch_s_default_as_the_user_set_it(row_workers):
     """The pool may be made by the table writer, whose thread count was fixed before the user changed torch's: the
     process-wide count that new threads start with stays the user's."""
     import threading
@@ -458,11 +449,8 @@ def test_row_workers_made_by_a_thread_with_another_count_leave_torch_s_default_a
 
     from stem_hf import training
 
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(training, "_ROW_WORKERS", None)
-    writer = ThreadPoolExecutor(1)
+    writer = ThreadPoolExecutor(1)  # the fixture has set two intra-op threads and no pool yet
     try:
-        torch.set_num_threads(2)
         assert writer.submit(torch.get_num_threads).result() == 2  # its count is fixed from here on
         torch.set_num_threads(3)  # the user's, after
         pool, count = writer.submit(training._row_workers).result()
@@ -477,9 +465,6 @@ def test_row_workers_made_by_a_thread_with_another_count_leave_torch_s_default_a
         assert training._row_workers() is None  # this thread runs one intra-op thread: no split
     finally:
         writer.shutdown()
-        if training._ROW_WORKERS is not None:
-            training._ROW_WORKERS[0].shutdown()
-        torch.set_num_threads(threads)
 
 
 def test_a_host_table_steps_the_same_under_another_default_device():
