@@ -271,8 +271,9 @@ def run_prefill(args, device: torch.device) -> dict:
 
 def run_train(args, device: torch.device) -> dict:
     """A train step with AdamW (dense, each ratio), RowSparseAdamW with sparse table gradients (StemTrainer's default
-    path), and, with host tables (1/2), both again; with `--compile`, AdamW with forward and backward compiled, and
-    RowSparseAdamW with its resident row updates compiled (`compiled_rows`)."""
+    path) and its resident row updates eager and compiled (`compiled_rows`, the default on CUDA; on the CPU with
+    `--compile` only), and, with host tables (1/2), both again; with `--compile`, AdamW with forward and backward
+    compiled."""
     ids = token_ids("uniform", (args.batch_size, args.seq_len), VOCAB[args.shape], device)
     dense = build(args.shape, None, device, getattr(torch, args.dtype))
     dense_s = train_step_s(dense, ids, args.repeats, device, torch.optim.AdamW(dense.parameters(), lr=1e-5))
@@ -297,10 +298,10 @@ def run_train(args, device: torch.device) -> dict:
             row["compiled_adamw"] = {"ms": round(compiled * 1e3, 3), "speedup": round(dense_compiled / compiled, 3)}
             del optimizer
         use_sparse_table_grads(model)  # train() made the tables float32, which sparse gradients need
-        sparse = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True))
+        sparse = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True), compiled_rows=False)
         row["row_sparse_adamw"] = {"ms": round(train_step_s(model, ids, args.repeats, device, sparse) * 1e3, 3)}
         row["row_sparse_adamw"]["speedup"] = round(dense_rs * 1e3 / row["row_sparse_adamw"]["ms"], 3)
-        if args.compile:  # the same, the resident tables' rows updated by one compiled function (compiled in warm-up)
+        if args.compile or device.type == "cuda":  # the resident rows by one compiled function (compiled in warm-up)
             compiled_rows = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True), compiled_rows=True)
             ms = round(train_step_s(model, ids, args.repeats, device, compiled_rows) * 1e3, 3)
             row["row_sparse_adamw_compiled_rows"] = {"ms": ms, "speedup": round(dense_rs * 1e3 / ms, 3)}
@@ -315,8 +316,8 @@ def run_train(args, device: torch.device) -> dict:
                 "ms": round(host_rs * 1e3, 3),
                 "vs_resident": round(resident_rs / host_rs, 3),
             }
-            # The same, the host tables written behind by a worker thread while the GPU goes on (StemTrainer's
-            # default with host tables on an accelerator); each step's forward waits for the writes it reads.
+            # The same, the host tables written behind by a worker thread while the GPU goes on
+            # (`StemTrainer(write_behind_tables=True)`); each step's forward waits for the writes it reads.
             behind = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True), write_behind=True)
             host_wb = train_step_s(model, ids, args.repeats, device, behind)
             behind.settle()

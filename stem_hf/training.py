@@ -11,6 +11,7 @@
 
 import contextlib
 import copy
+import importlib.util
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -228,6 +229,12 @@ def param_groups(
     return [group for group in groups if group["params"]]
 
 
+def compiles_rows_by_default(device: torch.device) -> bool:
+    """`RowSparseAdamW(compiled_rows=None)`: tables on a CUDA device, where Triton is installed, get `adamw_rows`
+    compiled (measured faster than the eager pass: `benchmarks/results/bench_gpu_train_compile_h100.json`)."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 def _in_host_memory(param: torch.Tensor) -> bool:
     """Whether a table's rows are updated by the host's code paths (the fused per-row kernel, chunks)."""
     return param.device.type == "cpu"
@@ -255,9 +262,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
     CPU AdamW kernel on worker threads (`FUSED_HOST_ROWS`); other host tables in chunks of `ROW_CHUNK_ELEMENTS`;
     tables on an accelerator in one pass of torch's operations.
 
-    `compiled_rows=True`: the rows of tables on an accelerator updated by `adamw_rows` under `torch.compile` (dynamic
+    `compiled_rows`: the rows of tables on an accelerator updated by `adamw_rows` under `torch.compile` (dynamic
     shapes: one graph for every table and row count above one, per device and dtype), which fuses the eager pass's
-    kernels; tables in host memory keep the host's paths (the fused per-row kernel is faster there).
+    kernels; tables in host memory keep the host's paths (the fused per-row kernel is faster there). The default,
+    None, compiles them on CUDA devices where Triton is installed (`compiles_rows_by_default`); False keeps the eager
+    pass everywhere.
 
     `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
     `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
@@ -276,7 +285,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         row_sparse: bool = False,
         write_behind: bool = False,
-        compiled_rows: bool = False,
+        compiled_rows: bool | None = None,
     ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"RowSparseAdamW: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
@@ -337,7 +346,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         # torch's Optimizer pickles and copies defaults, state and groups only: a copy writes in step, with no writes.
         super().__setstate__(state)
         self.__dict__.setdefault("write_behind", False)
-        self.__dict__.setdefault("compiled_rows", False)
+        self.__dict__.setdefault("compiled_rows", None)
         self._writes = []
         self._row_views = {}
 
@@ -440,7 +449,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 self._fused_rows(param, state, rows, slots, values, kept, hyper)
                 return
             self._row_views.pop(param, None)  # a table no longer updated row by row: its views go
-            if self.compiled_rows and not on_host:
+            compiled = compiles_rows_by_default(param.device) if self.compiled_rows is None else self.compiled_rows
+            if compiled and not on_host:
                 beta1, beta2 = hyper["betas"]
                 settings = [hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]]
                 settings = torch.tensor(settings, dtype=STATE_DTYPE, device=param.device)  # inputs: no recompile
@@ -756,14 +766,6 @@ def build_optimizer(
     return RowSparseAdamW(groups, betas=betas, eps=args.adam_epsilon, write_behind=write_behind)
 
 
-def write_behind_default(model: nn.Module, args: TrainingArguments, sparse_table_grads: bool) -> bool:
-    """`StemTrainer`'s default for `write_behind_tables`: sparse table gradients, a trainable table in host memory, the
-    model on an accelerator (`args.device`: something computes while the host writes) and no `torch_compile` (a
-    compiled forward cannot wait for a write)."""
-    on_host = any(t.weight.requires_grad and t.weight.device.type == "cpu" for t in stem_tables(model))
-    return bool(sparse_table_grads and on_host and args.device.type != "cpu" and not args.torch_compile)
-
-
 class StemTrainer(Trainer):
     """`Trainer` that builds the optimizer of a training `recipe`.
 
@@ -785,9 +787,9 @@ class StemTrainer(Trainer):
     gradients); False keeps dense table gradients.
 
     `write_behind_tables` has the tables that sit in host memory updated by a worker thread while the accelerator goes
-    on (`RowSparseAdamW(write_behind=True)`). The default, None, turns it on with sparse table gradients, the model on
-    an accelerator, a trainable table in host memory and no `torch_compile`; True asks for it with sparse table
-    gradients; False steps the tables before `optimizer.step()` returns. Everything else is Trainer's."""
+    on (`RowSparseAdamW(write_behind=True)`), with sparse table gradients only. The default, False, steps the tables
+    before `optimizer.step()` returns: with the fused row update, writing in step measured faster on a GPU machine's
+    host (`benchmarks/results/bench_gpu_h100.json`). Everything else is Trainer's."""
 
     def __init__(
         self,
@@ -796,10 +798,12 @@ class StemTrainer(Trainer):
         row_sparse_tables: bool | None = None,
         sparse_table_grads: bool | None = None,
         recipe: str = "stem-hf",
-        write_behind_tables: bool | None = None,
+        write_behind_tables: bool = False,
         **kwargs,
     ):
         check_recipe(recipe)
+        if not isinstance(write_behind_tables, bool):
+            raise ValueError(f"write_behind_tables: True or False (default False), not {write_behind_tables!r}")
         if recipe == "paper":
             given = {
                 "table_lr": table_lr is not None,
@@ -849,9 +853,7 @@ class StemTrainer(Trainer):
                 "write_behind_tables: only with sparse table gradients and the optimizer StemTrainer builds (the "
                 "worker writes the rows of sparse gradients)"
             )
-        if write_behind_tables is None:
-            write_behind_tables = write_behind_default(self.model, self.args, sparse_table_grads)
-        self.write_behind_tables = bool(write_behind_tables)
+        self.write_behind_tables = write_behind_tables
 
     def _compiles(self) -> bool:
         """Whether training runs the model compiled: `args.torch_compile`, an accelerate dynamo backend (`accelerate
@@ -981,6 +983,7 @@ __all__ = [
     "TableWrite",
     "adam_state_bytes",
     "adamw_rows",
+    "compiles_rows_by_default",
     "build_optimizer",
     "check_paper_arguments",
     "check_recipe",
@@ -989,5 +992,4 @@ __all__ = [
     "param_groups",
     "sparse_rows",
     "use_sparse_table_grads",
-    "write_behind_default",
 ]

@@ -419,7 +419,7 @@ def test_convert_heals_on_cuda_with_auto_precision_and_saves_a_model_that_loads(
         _assert_close(stem(ids.to(CUDA)).logits, reloaded(ids).logits, FP32_TOL)
 
 
-def test_a_stem_trainer_on_cuda_writes_host_tables_behind_by_default_and_trains_as_in_step(tmp_path):
+def test_a_stem_trainer_on_cuda_writing_host_tables_behind_trains_as_in_step(tmp_path):
     from datasets import Dataset
     from transformers import TrainingArguments
 
@@ -432,11 +432,11 @@ def test_a_stem_trainer_on_cuda_writes_host_tables_behind_by_default_and_trains_
         learning_rate=1e-2, max_grad_norm=0.5, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     models = []
-    for behind in (None, False):
+    for behind in (True, False):
         torch.manual_seed(0)
         model = sensitive_model(table_dtype="float32")
         trainer = StemTrainer(model=model, args=args, train_dataset=data, write_behind_tables=behind)
-        assert trainer.write_behind_tables is (behind is None)  # the default on a GPU with host tables
+        assert trainer.write_behind_tables is behind
         trainer.train()
         assert all(t.weight.device.type == "cpu" for t in model.model.stem_tables.values())
         models.append(model)
@@ -454,24 +454,33 @@ def test_torch_adamw_over_the_host_tables_of_a_cuda_model_is_named(caplog):
     assert "steps STEM tables in host memory with dense gradients" in caplog.text
 
 
-def test_compiled_row_updates_of_resident_cuda_tables_match_eager_and_host_tables():
-    """Resident tables on the GPU: `RowSparseAdamW(compiled_rows=True)` (a Triton kernel or two) against the eager
-    pass; host tables (the fused per-row kernel on the host's workers) against both. Three steps, sparse gradients."""
+def test_compiled_row_updates_of_resident_cuda_tables_match_eager_and_host_tables(monkeypatch):
+    """Resident tables on the GPU: `RowSparseAdamW(compiled_rows=True)` (a Triton kernel or two), and the default,
+    which compiles them on CUDA, against the eager pass; host tables (the fused per-row kernel on the host's workers)
+    against both. Three steps, sparse gradients."""
+    from stem_hf import training
     from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
+
+    compiled_calls = []
+    compiled_rows_fn = training._compiled_adamw_rows
+    monkeypatch.setattr(training, "_compiled_adamw_rows", lambda: compiled_calls.append(1) or compiled_rows_fn())
 
     ids = _ids((2, 12), seed=3).to(CUDA)
     models = []
-    for resident, compiled in ((True, False), (True, True), (False, False)):
+    for resident, compiled in ((True, False), (True, True), (True, None), (False, False)):
         torch.manual_seed(0)
         model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], keep_tables_on_cpu=not resident)
         model.to(CUDA).train()
         assert all((t.weight.device.type == "cuda") is resident for t in model.model.stem_tables.values())
         use_sparse_table_grads(model)
         optimizer = RowSparseAdamW(param_groups(model, 1e-2, 0.1, row_sparse_tables=True), compiled_rows=compiled)
+        compiled_calls.clear()
         for _ in range(3):
             optimizer.zero_grad()
             model(ids, labels=ids).loss.backward()
             optimizer.step()
+        compiles = compiled if compiled is not None else training.compiles_rows_by_default(CUDA)
+        assert len(compiled_calls) == (3 * 3 if resident and compiles else 0)  # three tables, three steps
         models.append(model)
     for other in models[1:]:
         for a, b in zip(models[0].parameters(), other.parameters(), strict=True):

@@ -397,6 +397,29 @@ def test_compiled_rows_give_the_eager_update_in_one_graph(monkeypatch):
     assert copy.deepcopy(RowSparseAdamW(table.parameters(), compiled_rows=True)).compiled_rows  # a copy keeps it
 
 
+def test_compiled_rows_by_default_only_on_cuda_with_triton(monkeypatch):
+    """`compiled_rows=None` (the default) compiles the rows of tables on CUDA where Triton is installed; elsewhere, and
+    with False, the eager pass runs. CPU tables stand in for accelerator ones; the compiled function is counted."""
+    import importlib.util
+
+    from stem_hf import training
+
+    assert not training.compiles_rows_by_default(torch.device("cpu"))
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert training.compiles_rows_by_default(torch.device("cuda")) is has_triton
+    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
+    calls = []
+    monkeypatch.setattr(training, "_compiled_adamw_rows", lambda: lambda *a: calls.append(1) or training.adamw_rows(*a))
+    for on_cuda, compiled_rows, expected in ((True, None, 1), (False, None, 0), (True, False, 0), (False, True, 1)):
+        monkeypatch.setattr(training, "compiles_rows_by_default", lambda device, on_cuda=on_cuda: on_cuda)
+        calls.clear()
+        table = torch.nn.Embedding(50, 8, sparse=True)
+        opt = RowSparseAdamW([{"params": table.parameters(), "row_sparse": True}], compiled_rows=compiled_rows)
+        table(torch.tensor([1, 2, 3])).sum().backward()
+        opt.step()
+        assert len(calls) == expected, (on_cuda, compiled_rows)
+
+
 def test_compiled_rows_equal_torch_adamw_where_every_row_steps(monkeypatch):
     from stem_hf import training
 
