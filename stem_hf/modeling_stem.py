@@ -278,6 +278,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_row_worker)
 
 
+def distinct_sparse_grad(weight: torch.Tensor, unique: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A table's sparse gradient of its distinct, sorted rows `unique`, whose indices are also kept on the weight
+    (`stem_grad_rows`): autograd's accumulation drops the flag that says the gradient is coalesced, and an optimizer
+    that finds the same indices in `weight.grad` knows they are distinct and sorted without reading them (a host
+    sync on an accelerator). The weight holds them, so their memory cannot be another tensor's while it does."""
+    indices = unique[None]
+    weight.stem_grad_rows = indices
+    return torch.sparse_coo_tensor(indices, rows, weight.shape, is_coalesced=True, check_invariants=False)
+
+
 class StemHostRowsGrad(torch.autograd.Function):
     """Rows gathered on the host and copied to the accelerator, made differentiable in the host table: the backward
     copies the distinct rows' gradients back and hands the table a sparse gradient (if the table is `sparse`) or a
@@ -286,6 +296,7 @@ class StemHostRowsGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, unique: torch.Tensor, rows: torch.Tensor, sparse: bool) -> torch.Tensor:
         ctx.save_for_backward(unique)
+        ctx.weight = weight  # an input leaf: no reference cycle
         ctx.shape, ctx.dtype, ctx.sparse = weight.shape, weight.dtype, sparse
         return rows.view_as(rows)
 
@@ -301,9 +312,28 @@ class StemHostRowsGrad(torch.autograd.Function):
             )
             grad = host.copy_(grad)
         if ctx.sparse:
-            rows = torch.sparse_coo_tensor(unique[None], grad, ctx.shape, is_coalesced=True, check_invariants=False)
-            return rows, None, None, None
+            return distinct_sparse_grad(ctx.weight, unique, grad), None, None, None
         return grad.new_zeros(ctx.shape).index_copy_(0, unique, grad), None, None, None
+
+
+class StemDistinctRowsGrad(torch.autograd.Function):
+    """The lookup of a `sparse` table on the device of the ids, whose backward sums each position's gradient into its
+    row among the forward's distinct ids (sorted) and hands the table a coalesced sparse gradient of those rows.
+    `nn.Embedding`'s sparse gradient repeats a row per position instead, and whoever reads it must coalesce it: a sort
+    and, on an accelerator, a host sync per table and step."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor):
+        ctx.save_for_backward(unique, inverse)
+        ctx.weight = weight  # an input leaf: no reference cycle
+        return nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        unique, inverse = ctx.saved_tensors
+        # embedding's own backward over the distinct rows: deterministic on CUDA (sorted, no atomics), no host sync
+        rows = torch.ops.aten.embedding_dense_backward(grad, inverse, len(unique), -1, False)
+        return distinct_sparse_grad(ctx.weight, unique, rows), None, None, None
 
 
 class StemTableRows:
@@ -321,6 +351,7 @@ class StemTableRows:
         self.tables = tables
         self.stem_input_ids = stem_input_ids
         self._unique = None
+        self._unique_here = None
         self._ahead: dict[int, Future] = {}
         self._served: set[int] = set()
 
@@ -330,8 +361,27 @@ class StemTableRows:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
         if not self.host_served(table):
             settle(table.weight)
+            if self.distinct_grad(table):
+                unique, inverse = self.distinct_here()
+                return StemDistinctRowsGrad.apply(table.weight, self.stem_input_ids, unique, inverse)
             return table(self.stem_input_ids)
         return self.host_rows(layer_idx)
+
+    def distinct_grad(self, table: nn.Embedding) -> bool:
+        """Whether a table on the ids' device gets its sparse gradient over the distinct ids (`StemDistinctRowsGrad`):
+        a plain `sparse` table that trains, eager. A wrapped or hooked table computes its rows in its own forward."""
+        if type(table) is not StemTable or table._forward_hooks or table._forward_pre_hooks:
+            return False
+        grows = torch.is_grad_enabled() and table.weight.requires_grad and table.sparse
+        usual = table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
+        return grows and usual and not torch.compiler.is_compiling()
+
+    def distinct_here(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's distinct ids and each position's place among them, on the ids' device: computed once per
+        forward, the one host sync of a training step with sparse table gradients."""
+        if self._unique_here is None:
+            self._unique_here = torch.unique(self.stem_input_ids, return_inverse=True)
+        return self._unique_here
 
     def host_served(self, table: nn.Embedding) -> bool:
         """Whether `table` lives on another device than the ids (meta: an accelerate hook brings the weight)."""
@@ -511,7 +561,10 @@ class StemTables(nn.ModuleDict):
                     "to rounding. Call model.base_model.stem_tables.upcast_trainable() before wrapping the model for "
                     "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
                 )
-        return StemTableRows(self, stem_input_ids)
+        rows = StemTableRows(self, stem_input_ids)
+        if any(not rows.host_served(t) and rows.distinct_grad(t) for t in self.values()):
+            rows.distinct_here()  # now, while the id check has just emptied the queue: its sync waits for little
+        return rows
 
     def train(self, mode: bool = True) -> "StemTables":
         super().train(mode)
@@ -1052,6 +1105,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
 
 __all__ = [
     "HOST_ROWS_AHEAD",
+    "StemDistinctRowsGrad",
     "StemForCausalLM",
     "StemHostRowsGrad",
     "StemModel",
@@ -1063,6 +1117,7 @@ __all__ = [
     "StemTableRows",
     "StemTables",
     "check_token_ids",
+    "distinct_sparse_grad",
     "settle",
     "xavier_normal_std",
 ]

@@ -54,6 +54,9 @@ ROW_CHUNK_ELEMENTS = 1 << 20
 FUSED_HOST_ROWS = hasattr(torch, "_fused_adamw_")
 # Rows a row worker takes at least: with fewer, handing them to other threads costs more than splitting saves.
 ROWS_PER_WORKER = 64
+# Tables on an accelerator: when the host reads how many rows have moments (a sync), the moments grow to hold at least
+# this many more steps' rows, so that the next read is that many steps away.
+ROW_HEADROOM_STEPS = 4
 # Float32 bytes of dense parameters updated by one set of foreach operations: each operation is one kernel for many
 # parameters, and the fp32 copies and temporaries it makes scale with this much, not with the whole group.
 DENSE_STEP_BYTES = 1 << 28
@@ -165,23 +168,33 @@ def adamw_rows(
     slots: torch.Tensor,
     grad: torch.Tensor,
     settings: torch.Tensor,
+    moved: torch.Tensor | None = None,
 ) -> None:
     """`RowSparseAdamW`'s lazy AdamW of `rows` (distinct: each is written once; gradients `grad`, moments and step
-    counts at `slots`, as float32), in place, as one function for `torch.compile` to fuse: the gathers, the update and
-    the scatters, where eager launches about twenty kernels. `settings`: lr, beta1, beta2, eps and weight decay, a
-    tensor so that a new learning rate is not a recompile."""
+    counts at `slots`, distinct too, as float32), in place, as one function for `torch.compile` to fuse: the gathers,
+    the update and the scatters, where eager launches about twenty kernels. `settings`: lr, beta1, beta2, eps and weight
+    decay, a tensor so that a new learning rate is not a recompile. `moved` (bool per row; None: all): the rows that
+    step; the others keep their weights, moments and counts, without a host sync to leave them out."""
     lr, beta1, beta2, eps, weight_decay = settings.unbind()
-    step = steps[slots] + 1
+    old_weight, old_avg, old_avg_sq, old_steps = param[rows], exp_avg[slots], exp_avg_sq[slots], steps[slots]
+    step = old_steps + 1
     grad = grad.to(STATE_DTYPE)
-    weight = param[rows].to(STATE_DTYPE) * (1 - lr * weight_decay)
-    exp_avg_rows = exp_avg[slots].lerp(grad, (1 - beta1).to(STATE_DTYPE))
-    exp_avg_sq_rows = exp_avg_sq[slots] * beta2 + grad * grad * (1 - beta2)
+    weight = old_weight.to(STATE_DTYPE) * (1 - lr * weight_decay)
+    exp_avg_rows = old_avg.lerp(grad, (1 - beta1).to(STATE_DTYPE))
+    exp_avg_sq_rows = old_avg_sq * beta2 + grad * grad * (1 - beta2)
     bias1, bias2 = (1 - beta1**step)[:, None], (1 - beta2**step)[:, None]
-    weight = weight - lr * (exp_avg_rows / bias1) / ((exp_avg_sq_rows / bias2).sqrt() + eps)
-    param.index_put_((rows,), weight.to(param.dtype))
-    exp_avg.index_put_((slots,), exp_avg_rows.to(exp_avg.dtype))
-    exp_avg_sq.index_put_((slots,), exp_avg_sq_rows.to(exp_avg_sq.dtype))
-    steps.index_put_((slots,), step.to(steps.dtype))
+    weight = (weight - lr * (exp_avg_rows / bias1) / ((exp_avg_sq_rows / bias2).sqrt() + eps)).to(param.dtype)
+    exp_avg_rows, exp_avg_sq_rows = exp_avg_rows.to(exp_avg.dtype), exp_avg_sq_rows.to(exp_avg_sq.dtype)
+    step = step.to(steps.dtype)
+    if moved is not None:
+        weight = torch.where(moved[:, None], weight, old_weight)
+        exp_avg_rows = torch.where(moved[:, None], exp_avg_rows, old_avg)
+        exp_avg_sq_rows = torch.where(moved[:, None], exp_avg_sq_rows, old_avg_sq)
+        step = torch.where(moved, step, old_steps)
+    param.index_put_((rows,), weight)
+    exp_avg.index_put_((slots,), exp_avg_rows)
+    exp_avg_sq.index_put_((slots,), exp_avg_sq_rows)
+    steps.index_put_((slots,), step)
 
 
 _COMPILED_ADAMW_ROWS: Callable[..., None] | None = None
@@ -254,13 +267,15 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     In groups with `row_sparse=True` (2-D parameters: the tables), a row is updated only when its gradient is nonzero
     (its token was in the batch), and its moments and bias correction advance only then: lazy Adam, with a step count
-    per row (torch's SparseAdam keeps one per parameter). Moments are kept for rows that have had a gradient, in slots
-    allocated on first use (capacity doubles as needed: up to 2x the rows seen), plus one int64 slot index per table
-    row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows. Dense
+    per row (torch's SparseAdam keeps one per parameter). Moments are kept for rows that have had a gradient (on an
+    accelerator: that have been in a batch), in slots allocated on first use (capacity doubles as needed: up to 2x the
+    rows seen; on an accelerator also room for `ROW_HEADROOM_STEPS` more steps' rows), plus one int64 slot index per
+    table row. A row present in every step is updated exactly as by AdamW; weight decay applies to updated rows. Dense
     groups take torch's multi-tensor (foreach) AdamW update, a fixed number of kernels per `DENSE_STEP_BYTES` of
     parameters whatever their count. Float32 tables in host memory are updated row by row, in place, by torch's fused
     CPU AdamW kernel on worker threads (`FUSED_HOST_ROWS`); other host tables in chunks of `ROW_CHUNK_ELEMENTS`;
-    tables on an accelerator in one pass of torch's operations.
+    tables on an accelerator by `adamw_rows` over the batch's rows, a row without gradient masked, without reading
+    anything back to the host (but the count of rows with moments every few steps, while the moments can grow).
 
     `compiled_rows`: the rows of tables on an accelerator updated by `adamw_rows` under `torch.compile` (dynamic
     shapes: one graph for every table and row count above one, per device and dtype), which fuses the eager pass's
@@ -402,7 +417,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         hyper = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}  # as of now: the scheduler moves lr
         sparse = param.grad.is_sparse
         if sparse:  # `sparse_table_grads`: the batch's rows only, never a [vocab, d_ff] tensor
-            rows, values = sparse_rows(param.grad)  # survive a zero_grad: it swaps the sparse grad's tensors
+            rows, values = sparse_rows(param.grad, param)  # survive a zero_grad: it swaps the sparse grad's tensors
             if self.write_behind and param.device.type == "cpu" and getattr(param, "stem_reads_wait", False):
                 write = TableWrite()
                 write.set_running_or_notify_cancel()  # queued is as good as running: it cannot be cancelled
@@ -421,7 +436,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
         """Lazy AdamW of the distinct `rows`, gradients `values`; also on the writer thread, where no_grad is off."""
         with torch.no_grad():
             on_host = _in_host_memory(param)
-            fused = FUSED_HOST_ROWS and on_host and param.dtype == values.dtype == STATE_DTYPE and param.is_contiguous()
+            if not on_host:
+                self._device_rows(param, rows, values, hyper, sparse)
+                return
+            fused = FUSED_HOST_ROWS and param.dtype == values.dtype == STATE_DTYPE and param.is_contiguous()
             kept = None  # the moved rows' places in `values`, where some did not move
             if sparse:  # a row in the batch with no gradient moves no more than under dense gradients
                 moved = torch.linalg.vector_norm(values, 0, dim=1) > 0
@@ -444,33 +462,19 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 self._grow(state, param, seen + new.numel())
                 state["slot"][new] = torch.arange(seen, seen + new.numel(), device=param.device)
                 state["rows_seen"] += new.numel()
+                state.pop("rows_bound", None)  # the device path's bound holds no longer
                 slots = state["slot"][rows]
             if fused:
                 self._fused_rows(param, state, rows, slots, values, kept, hyper)
                 return
             self._row_views.pop(param, None)  # a table no longer updated row by row: its views go
-            compiled = compiles_rows_by_default(param.device) if self.compiled_rows is None else self.compiled_rows
-            if compiled and not on_host:
-                beta1, beta2 = hyper["betas"]
-                settings = [hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]]
-                settings = torch.tensor(settings, dtype=STATE_DTYPE, device=param.device)  # inputs: no recompile
-                tensors = state["exp_avg"], state["exp_avg_sq"], state["steps"]
-                # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
-                inputs = rows.detach(), slots.detach(), values.detach()
-                _compiled_adamw_rows()(param, *tensors, *inputs, settings)
-                return
-            width = max(1, param.shape[1])
-            chunk = max(1, ROW_CHUNK_ELEMENTS // width) if on_host else len(rows)
-            # On the host, each chunk reuses the same buffers: fresh ones are new memory, page-faulted in every chunk.
+            chunk = max(1, ROW_CHUNK_ELEMENTS // max(1, param.shape[1]))
+            # Each chunk reuses the same buffers: fresh ones are new memory, page-faulted in every chunk.
             shape = (min(chunk, len(rows)), param.shape[1])
-            buffers = (
-                [torch.empty(shape, dtype=STATE_DTYPE, device=param.device) for _ in range(5)]
-                if on_host
-                else [None] * 5
-            )
+            buffers = [torch.empty(shape, dtype=STATE_DTYPE, device=param.device) for _ in range(5)]
             for start in range(0, len(rows), chunk):
                 part, at = rows[start : start + chunk], slots[start : start + chunk]
-                moment, square, row, scratch, ratio = (b if b is None else b[: len(part)] for b in buffers)
+                moment, square, row, scratch, ratio = (b[: len(part)] for b in buffers)
                 exp_avg = torch.index_select(state["exp_avg"], 0, at, out=moment)
                 exp_avg_sq = torch.index_select(state["exp_avg_sq"], 0, at, out=square)
                 steps = state["steps"].index_select(0, at).add_(1)
@@ -484,6 +488,49 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 state["exp_avg"].index_copy_(0, at, exp_avg)
                 state["exp_avg_sq"].index_copy_(0, at, exp_avg_sq)
                 state["steps"].index_copy_(0, at, steps)
+
+    def _device_rows(
+        self, param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, hyper: dict, sparse: bool
+    ) -> None:
+        """The lazy AdamW of a table on an accelerator without a host sync, by `adamw_rows` (compiled as
+        `compiled_rows` says). Every row of the batch gets a slot, a row without gradient too: it keeps its weights,
+        zero moments and count (`moved`), as a row never seen does. Only growing the moments needs the true count of
+        rows with a slot; the host keeps an upper bound of it (`rows_bound`: every row of every step counted as new)
+        and reads the count (a sync) when the bound passes the capacity, then grows the moments to hold at least
+        `ROW_HEADROOM_STEPS` more steps' rows: a sync every few steps at most, none once the capacity is the whole
+        table."""
+        self._row_views.pop(param, None)
+        if rows.numel() == 0:
+            return
+        state = self.state[param]
+        if not state:
+            state["slot"] = torch.full((param.shape[0],), -1, dtype=torch.long, device=param.device)
+            self._grow(state, param, 0)
+        seen = state.get("rows_seen")
+        if seen is None or seen.device != param.device:  # new, or kept by a host path (a host tensor)
+            count = 0 if seen is None else int(seen)
+            seen = state["rows_seen"] = torch.tensor(count, dtype=torch.long, device=param.device)
+        capacity = state["exp_avg"].shape[0]
+        if capacity < param.shape[0]:  # a full capacity holds every row: no bound to keep
+            bound = state.get("rows_bound")
+            if bound is None or bound + len(rows) > capacity:
+                bound = int(seen)  # the sync: the moments may have to grow, with room for a few more steps' rows
+                self._grow(state, param, bound + ROW_HEADROOM_STEPS * len(rows))
+            state["rows_bound"] = bound + len(rows)
+        slots = state["slot"][rows]
+        new = slots < 0
+        slots = torch.where(new, seen + new.cumsum(0) - 1, slots)
+        state["slot"].index_put_((rows,), slots)
+        seen.add_(new.sum())
+        moved = torch.linalg.vector_norm(values, 0, dim=1) > 0 if sparse else None
+        beta1, beta2 = hyper["betas"]
+        settings = [hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]]
+        settings = torch.tensor(settings, dtype=STATE_DTYPE, device=param.device)  # inputs: no recompile
+        compiled = compiles_rows_by_default(param.device) if self.compiled_rows is None else self.compiled_rows
+        update = _compiled_adamw_rows() if compiled else adamw_rows
+        # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
+        inputs = rows.detach(), slots.detach(), values.detach()
+        update(param, state["exp_avg"], state["exp_avg_sq"], state["steps"], *inputs, settings, moved)
 
     def _fused_rows(
         self,
@@ -674,14 +721,20 @@ def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
         table.sparse = enable
 
 
-def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct rows of a sparse table gradient and their gradients, coalesced only where rows repeat. A host
-    table's gradient comes with distinct, sorted rows, but autograd's accumulation drops the flag that says so, and
-    coalescing on the host sorts and copies every value again."""
+def sparse_rows(grad: torch.Tensor, param: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of a sparse table gradient and their gradients, coalesced only where rows repeat. A STEM
+    table's gradient from one backward comes with distinct, sorted rows, but autograd's accumulation drops the flag
+    that says so: `param`'s `stem_grad_rows` (`modeling_stem.distinct_sparse_grad`), when they are the gradient's own
+    indices, says it without reading them. Otherwise a host gradient's rows are checked, and others coalesced (on an
+    accelerator, a sort and a host sync)."""
     if grad.is_coalesced():
         return grad.indices()[0], grad.values()
+    rows = grad._indices()
+    known = getattr(param, "stem_grad_rows", None)
+    if known is not None and known.data_ptr() == rows.data_ptr() and known.shape == rows.shape:
+        return rows[0], grad._values()  # the weight holds `known`: this memory is its, distinct and sorted
     if grad.device.type == "cpu":
-        rows = grad._indices()[0]
+        rows = rows[0]
         if bool((rows[1:] > rows[:-1]).all()):  # strictly increasing: distinct and sorted, as coalesced
             return rows, grad._values()
     grad = grad.coalesce()
@@ -692,12 +745,13 @@ def sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` (2-norm over all gradients) that also takes sparse gradients, which torch's
     refuses. Returns the total norm before clipping."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
         return torch.tensor(0.0)
     squares = []
-    for grad in grads:
-        values = sparse_rows(grad)[1] if grad.is_sparse else grad
+    for param, grad in zip(params, grads, strict=True):
+        values = sparse_rows(grad, param)[1] if grad.is_sparse else grad
         squares.append(torch.linalg.vector_norm(values.float()).square().to(grads[0].device))
     total = torch.stack(squares).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -978,6 +1032,7 @@ __all__ = [
     "RECIPES",
     "ROWS_PER_WORKER",
     "ROW_CHUNK_ELEMENTS",
+    "ROW_HEADROOM_STEPS",
     "RowSparseAdamW",
     "StemTrainer",
     "TableWrite",

@@ -113,6 +113,51 @@ def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense():
     assert stem == llama, (stem, llama)
 
 
+def _syncs_per_train_step(model, batches: list[torch.Tensor], optimizer) -> list[int]:
+    """Host syncs in each train step (forward with labels, backward, the optimizer's step)."""
+    counts: list[int] = []
+    inside = [True]
+    with _counting_syncs(counts, inside):
+        for ids in batches:
+            counts.append(0)
+            optimizer.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+    return counts
+
+
+@pytest.mark.parametrize("vocab_size", [96, 4096])
+def test_a_train_step_with_tables_on_an_accelerator_syncs_per_forward_not_per_table(monkeypatch, vocab_size):
+    """Resident tables with sparse gradients (StemTrainer's default), three of them: a step syncs as often as dense's
+    plus twice, for the forward's id check (dense Llama has none) and its distinct ids; the gradients come coalesced
+    (no sort) and the row update reads nothing back, but the count of rows with moments when they may have to grow, a
+    few steps apart (a vocabulary larger than the moments). CPU tables stand in for an accelerator's."""
+    from stem_hf import training
+    from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
+
+    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
+    monkeypatch.setattr(training, "compiles_rows_by_default", lambda device: False)
+    ops = Counter()
+    original = torch.Tensor.coalesce
+    monkeypatch.setattr(torch.Tensor, "coalesce", lambda self: ops.update(["coalesce"]) or original(self))
+    batches = [_ids(seed % 3, (2, 24)).clamp(max=vocab_size - 1) for seed in range(12)]  # the same rows come back
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], vocab_size=vocab_size).train()
+    use_sparse_table_grads(model)
+    optimizer = RowSparseAdamW(param_groups(model, 1e-2, row_sparse_tables=True))
+    stem = _syncs_per_train_step(model, batches, optimizer)
+    dense = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": vocab_size})).train()
+    llama = _syncs_per_train_step(dense, batches, RowSparseAdamW(param_groups(dense, 1e-2)))
+    assert not ops, ops
+    state = optimizer.state[model.model.stem_tables["1"].weight]
+    growth = [count - llama[0] - 2 for count in stem]
+    assert set(llama) == {llama[0]}, llama
+    assert min(growth) == 0 and max(growth) <= 3, stem  # at most the three tables' counts, in a step that reads them
+    if vocab_size == 96:
+        assert state["exp_avg"].shape[0] == vocab_size and growth[-6:] == [0] * 6, stem  # moments for every row
+    else:
+        assert state["exp_avg"].shape[0] < vocab_size and sum(growth) <= 3 * (1 + 12 // 3), stem
+
+
 def test_ids_are_checked_once_per_user_input_and_a_bad_prompt_is_still_refused(monkeypatch):
     model = sensitive_model()
     calls = []

@@ -601,6 +601,47 @@ def test_sparse_table_grads_give_the_updates_of_dense_ones_and_clip_the_same():
     assert norms[0] == pytest.approx(expected.item(), rel=1e-5)
 
 
+def test_tables_on_an_accelerator_train_as_host_tables_do(monkeypatch):
+    """The accelerator's row update (`adamw_rows` over every row of the batch, a row without gradient masked, not left
+    out) against the host's (the fused kernel over the rows that moved), with sparse gradients and clipping, and with
+    dense gradients, tables decayed, two batches in turn (a row with moments then without gradient): the same weights.
+    The sparse gradient comes over the batch's distinct rows, sorted, handed on without a copy. CPU tables stand in
+    for an accelerator's."""
+    from stem_hf import training
+
+    torch.manual_seed(0)
+    base = _stem()
+    batches = [_dataset(4, ragged=True, seed=seed)[:] for seed in (0, 1)]
+    batches = [(torch.tensor(b["input_ids"]), torch.tensor(b["labels"])) for b in batches]
+    models, still = [], []
+    for on_accelerator, sparse in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(training, "_in_host_memory", lambda param, host=not on_accelerator: host)
+        monkeypatch.setattr(training, "compiles_rows_by_default", lambda device: False)
+        model = copy.deepcopy(base)
+        use_sparse_table_grads(model, enable=sparse)
+        table = model.model.stem_tables["1"].weight
+        groups = param_groups(model, 1e-2, 0.1, table_weight_decay=0.1, row_sparse_tables=True)
+        optimizer = RowSparseAdamW(groups)
+        for step in range(4):
+            ids, labels = batches[step % 2]
+            optimizer.zero_grad()
+            model(input_ids=ids, labels=labels).loss.backward()
+            clip_grad_norm(model.parameters(), 0.5)
+            if on_accelerator and sparse:
+                rows, values = sparse_rows(table.grad, table)
+                assert torch.equal(rows, ids.unique()) and values.data_ptr() == table.grad._values().data_ptr()
+                before = table.detach().clone()
+                still.append(rows[values.abs().amax(dim=1) == 0])
+            optimizer.step()
+            if on_accelerator and sparse:
+                assert torch.equal(table[still[-1]], before[still[-1]])
+        models.append(model)
+    assert all(len(rows) for rows in still), "a step without a row lacking gradient: the mask went untested"
+    for other in models[1:]:
+        for (name, a), b in zip(models[0].named_parameters(), other.parameters(), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_sparse_rows_coalesce_only_where_rows_repeat_or_come_unsorted():
     values = torch.randn(3, 4)
     for indices in ([1, 4, 7], [4, 1, 4], [7, 1, 4]):
