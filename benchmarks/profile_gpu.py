@@ -1,6 +1,6 @@
 """Where the time goes: `torch.profiler` over one prefill (dense, STEM-full resident, STEM-1/2 with host tables and
 through `StemOffloadEngine`), one train step (dense and STEM-1/2 resident with `RowSparseAdamW`, STEM-1/2 with host
-tables) and a greedy decode of 16 tokens at batch 64 (STEM-1/2 resident and host) at `bench_gpu.py`'s shapes.
+tables) and a greedy decode of 16 tokens at batch 64 (dense, STEM-1/2 resident and host) at `bench_gpu.py`'s shapes.
 Saves, per variant, the step's wall time, the device's kernel time, the operators' own host time, and the operators
 that take the most device time and the most host time.
 
@@ -30,6 +30,7 @@ VARIANTS = {  # name: (what, STEM spec or None for dense, where the tables are)
     "train_dense": ("train", None, "resident"),
     "train_stem_1_2_resident": ("train", "1/2", "resident"),
     "train_stem_1_2_host": ("train", "1/2", "host"),
+    "decode_b64_dense": ("decode", None, "resident"),
     "decode_b64_stem_1_2_resident": ("decode", "1/2", "resident"),
     "decode_b64_stem_1_2_host": ("decode", "1/2", "host"),
 }

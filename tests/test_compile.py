@@ -9,13 +9,13 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from contextlib import contextmanager
 
 import pytest
 import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from stem_hf import modeling_stem
+from stem_hf.host_syncs import HostSyncCounter
 from tests.conftest import TINY, sensitive_model, tiny_model
 
 
@@ -56,50 +56,40 @@ def test_static_cache_compiled_greedy_decoding_gives_eager_tokens():
     assert torch.equal(model.generate(ids, cache_implementation="static", **settings), eager)
 
 
-# aten ops whose result the host must wait for on an accelerator: a value read out (`item`, `bool`, `int` go through
-# `_local_scalar_dense`), or an output whose size depends on the values.
-_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
-                "equal", "is_nonzero", "repeat_interleave"}  # fmt: skip
-
-
-@contextmanager
-def _counting_syncs(counts: list[int], inside: list[bool]):
-    """Counts into `counts[-1]`, while `inside[0]`, the host syncs: syncing aten ops (seen by a dispatch mode) and
-    `tolist` (which on the CPU reads the values without one)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Syncs(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if inside[0] and func.overloadpacket.__name__ in _SYNCING_OPS:
-                counts[-1] += 1
-            return func(*args, **(kwargs or {}))
-
-    tolist = torch.Tensor.tolist
-
-    def counted(self, *args, **kwargs):
-        if inside[0] and self.numel() > 0:
-            counts[-1] += 1
-        return tolist(self, *args, **kwargs)
-
-    torch.Tensor.tolist = counted
-    try:
-        with Syncs():
-            yield
-    finally:
-        torch.Tensor.tolist = tolist
-
-
 def _syncs_per_forward(model, ids, steps: int = 4) -> list[int]:
     """Host syncs inside each forward of a greedy `generate` (not generate's own stopping check between forwards)."""
     counts: list[int] = []
-    inside = [False]
-    pre = model.register_forward_pre_hook(lambda *_: counts.append(0) or inside.__setitem__(0, True))
-    post = model.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-    with _counting_syncs(counts, inside):
-        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
-    pre.remove()
-    post.remove()
+    with HostSyncCounter() as syncs:
+        syncs.active = False
+
+        def start(*_):
+            counts.append(syncs.count)
+            syncs.active = True
+
+        def end(*_):
+            syncs.active = False
+            counts[-1] = syncs.count - counts[-1]
+
+        pre, post = model.register_forward_pre_hook(start), model.register_forward_hook(end)
+        try:
+            model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        finally:
+            pre.remove()
+            post.remove()
     return counts
+
+
+def test_the_host_sync_counter_counts_reads_and_data_sized_outputs_and_restores_tolist():
+    original = torch.Tensor.tolist
+    x = torch.tensor([0.0, 2.0, 0.0, 3.0])
+    with HostSyncCounter() as syncs:
+        x.nonzero(), x.tolist(), bool(x.sum() > 0), x.unique(), x + 1
+        syncs.active = False
+        x.tolist()
+        with pytest.raises(RuntimeError, match="already entered"):
+            syncs.__enter__()
+    assert syncs.count == 4 and syncs.by_op == {"nonzero": 1, "tolist": 1, "_local_scalar_dense": 1, "_unique2": 1}
+    assert torch.Tensor.tolist is original
 
 
 def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense():
@@ -113,17 +103,17 @@ def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense():
     assert stem == llama, (stem, llama)
 
 
-def _syncs_per_train_step(model, batches: list[torch.Tensor], optimizer) -> list[int]:
-    """Host syncs in each train step (forward with labels, backward, the optimizer's step)."""
+def _syncs_per_train_step(model, batches: list[torch.Tensor], optimizer) -> tuple[list[int], Counter]:
+    """Host syncs in each train step (forward with labels, backward, the optimizer's step), and by operation."""
     counts: list[int] = []
-    inside = [True]
-    with _counting_syncs(counts, inside):
+    with HostSyncCounter() as syncs:
         for ids in batches:
-            counts.append(0)
+            before = syncs.count
             optimizer.zero_grad()
             model(ids, labels=ids).loss.backward()
             optimizer.step()
-    return counts
+            counts.append(syncs.count - before)
+    return counts, syncs.by_op
 
 
 @pytest.mark.parametrize("vocab_size", [96, 4096])
@@ -137,17 +127,14 @@ def test_a_train_step_with_tables_on_an_accelerator_syncs_per_forward_not_per_ta
 
     monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
     monkeypatch.setattr(training, "compiles_rows_by_default", lambda device: False)
-    ops = Counter()
-    original = torch.Tensor.coalesce
-    monkeypatch.setattr(torch.Tensor, "coalesce", lambda self: ops.update(["coalesce"]) or original(self))
     batches = [_ids(seed % 3, (2, 24)).clamp(max=vocab_size - 1) for seed in range(12)]  # the same rows come back
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], vocab_size=vocab_size).train()
     use_sparse_table_grads(model)
     optimizer = RowSparseAdamW(param_groups(model, 1e-2, row_sparse_tables=True))
-    stem = _syncs_per_train_step(model, batches, optimizer)
+    stem, ops = _syncs_per_train_step(model, batches, optimizer)
     dense = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": vocab_size})).train()
-    llama = _syncs_per_train_step(dense, batches, RowSparseAdamW(param_groups(dense, 1e-2)))
-    assert not ops, ops
+    llama, _ = _syncs_per_train_step(dense, batches, RowSparseAdamW(param_groups(dense, 1e-2)))
+    assert not ops["_coalesce"] and not ops["nonzero"], ops
     state = optimizer.state[model.model.stem_tables["1"].weight]
     growth = [count - llama[0] - 2 for count in stem]
     assert set(llama) == {llama[0]}, llama
