@@ -186,6 +186,12 @@ def decode_step_s(model, prompt: torch.Tensor, new: int, repeats: int, device: t
     return statistics.median(steps), outs[-1], all(torch.equal(o, outs[-1]) for o in outs)
 
 
+def last_logits(model, prompts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per batch, the prompt's next-token logits (float32, on the host) of one forward."""
+    with torch.inference_mode():
+        return {b: model(p).logits[:, -1].float().cpu() for b, p in prompts.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -362,14 +368,17 @@ def run_decode(args, device: torch.device) -> dict:
     model = build(args.shape, "1/2", device, getattr(torch, args.dtype))
     context = args.prompt_len + args.new_tokens / 2
     runs = {"resident": per_batch(model)}
+    logits = {"resident": last_logits(model, prompts), "resident_again": last_logits(model, prompts)}
     if compiled:
         fresh_compiles()
         runs["static_compiled"] = per_batch(model, **compiled)
     if device.type != "cpu":
         to_host(model)
         runs["host"] = per_batch(model)
+        logits["host"] = last_logits(model, prompts)
         with StemOffloadEngine(model, cache_tokens=4096, device=device).attach():
             runs["engine"] = per_batch(model)
+            logits["engine"] = last_logits(model, prompts)
     out = {"predicted_speedup": round(predicted(model.config, context), 3)}
     del model
     free()
@@ -384,6 +393,13 @@ def run_decode(args, device: torch.device) -> dict:
             row[name]["same_tokens_across_runs"] = repeatable
             if name != "resident":
                 row[name]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][b][1]))
+            # The prompt's next-token logits against resident's: kernel order moves them by rounding, a wrong row
+            # by far more. Resident against itself says how much rounding differs between two runs.
+            other = "resident_again" if name == "resident" else name
+            if other in logits:
+                diff = (logits[other][b] - logits["resident"][b]).abs().max().item()
+                row[name]["logits_max_diff_vs_resident"] = round(diff, 5)
+        row["resident_logits_std"] = round(logits["resident"][b].std().item(), 5)
         out[f"batch_{b}"] = row
     return out
 

@@ -328,6 +328,8 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True
         assert report["decode"][batch]["dense_same_tokens_across_runs"] is True  # a CPU's kernels: repeatable
         assert report["decode"][batch]["resident"]["same_tokens_across_runs"] is True
+        assert report["decode"][batch]["resident"]["logits_max_diff_vs_resident"] == 0  # the same forward twice
+        assert report["decode"][batch]["resident_logits_std"] > 0
 
 
 def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
