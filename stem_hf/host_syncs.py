@@ -6,7 +6,11 @@ a step syncs no more than it should (`tests/test_compile.py`, `benchmarks/bench_
         model(ids, labels=ids).loss.backward()
     print(syncs.count, syncs.by_op)
 
-An upper bound: `tolist` of a tensor that lives on the host syncs nothing on an accelerator either, and is counted."""
+A partial count, not a bound either way: `tolist` of a tensor that lives on the host syncs nothing on an accelerator
+and is counted; a copy between devices (`.cpu()`, `torch.tensor(..., device=...)` from pageable memory) and an
+operation that syncs inside its kernel (indexing with a bool mask) are not seen. And under a dispatch mode autograd
+clones a sparse gradient it would otherwise keep as it is: count a backward that makes sparse gradients apart from
+what reads them (`tests/test_compile.py` does)."""
 
 from collections import Counter
 

@@ -369,8 +369,10 @@ class StemTableRows:
 
     def distinct_grad(self, table: nn.Embedding) -> bool:
         """Whether a table on the ids' device gets its sparse gradient over the distinct ids (`StemDistinctRowsGrad`):
-        a plain `sparse` table that trains, eager. A wrapped or hooked table computes its rows in its own forward."""
-        if type(table) is not StemTable or table._forward_hooks or table._forward_pre_hooks:
+        a plain `sparse` table that trains, eager. A wrapped or hooked table computes its rows in its own forward (an
+        accelerate hook replaces `forward` itself, and brings a meta weight in there); a freed table raises there."""
+        hooked = table._forward_hooks or table._forward_pre_hooks or hasattr(table, "_hf_hook")
+        if type(table) is not StemTable or hooked or table.weight.device.type == "meta" or table.weight.shape[0] == 0:
             return False
         grows = torch.is_grad_enabled() and table.weight.requires_grad and table.sparse
         usual = table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq

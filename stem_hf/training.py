@@ -11,6 +11,7 @@
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import os
 import threading
@@ -243,9 +244,17 @@ def param_groups(
 
 
 def compiles_rows_by_default(device: torch.device) -> bool:
-    """`RowSparseAdamW(compiled_rows=None)`: tables on a CUDA device, where Triton is installed, get `adamw_rows`
-    compiled (measured faster than the eager pass: `benchmarks/results/bench_gpu_train_compile_h100.json`)."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    """`RowSparseAdamW(compiled_rows=None)`: tables on a CUDA device that Triton supports (compute capability 7.0 and
+    up), where Triton is installed, get `adamw_rows` compiled (measured faster than the eager pass:
+    `benchmarks/results/bench_gpu_train_compile_h100.json`)."""
+    if device.type != "cuda" or not _has_triton() or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (7, 0)
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _in_host_memory(param: torch.Tensor) -> bool:
@@ -309,6 +318,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         self.compiled_rows = compiled_rows
         self._writes: list[tuple[torch.Tensor, TableWrite]] = []
         self._row_views: dict[torch.Tensor, dict] = {}
+        self._rows_bound: dict[torch.Tensor, int] = {}  # per table on an accelerator: rows with moments, at most
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["row_sparse"] and any(p.ndim != 2 for p in group["params"]):
@@ -364,6 +374,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("compiled_rows", None)
         self._writes = []
         self._row_views = {}
+        self._rows_bound = {}
 
     def state_dict(self) -> dict:
         self.settle()
@@ -462,7 +473,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 self._grow(state, param, seen + new.numel())
                 state["slot"][new] = torch.arange(seen, seen + new.numel(), device=param.device)
                 state["rows_seen"] += new.numel()
-                state.pop("rows_bound", None)  # the device path's bound holds no longer
+                self._rows_bound.pop(param, None)  # the device path's bound holds no longer
                 slots = state["slot"][rows]
             if fused:
                 self._fused_rows(param, state, rows, slots, values, kept, hyper)
@@ -495,7 +506,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         """The lazy AdamW of a table on an accelerator without a host sync, by `adamw_rows` (compiled as
         `compiled_rows` says). Every row of the batch gets a slot, a row without gradient too: it keeps its weights,
         zero moments and count (`moved`), as a row never seen does. Only growing the moments needs the true count of
-        rows with a slot; the host keeps an upper bound of it (`rows_bound`: every row of every step counted as new)
+        rows with a slot; the host keeps an upper bound of it (`_rows_bound`: every row of every step counted as new)
         and reads the count (a sync) when the bound passes the capacity, then grows the moments to hold at least
         `ROW_HEADROOM_STEPS` more steps' rows: a sync every few steps at most, none once the capacity is the whole
         table."""
@@ -509,14 +520,14 @@ class RowSparseAdamW(torch.optim.Optimizer):
         seen = state.get("rows_seen")
         if seen is None or seen.device != param.device:  # new, or kept by a host path (a host tensor)
             count = 0 if seen is None else int(seen)
-            seen = state["rows_seen"] = torch.tensor(count, dtype=torch.long, device=param.device)
+            seen = state["rows_seen"] = torch.full((), count, dtype=torch.long, device=param.device)
         capacity = state["exp_avg"].shape[0]
         if capacity < param.shape[0]:  # a full capacity holds every row: no bound to keep
-            bound = state.get("rows_bound")
+            bound = self._rows_bound.get(param)
             if bound is None or bound + len(rows) > capacity:
                 bound = int(seen)  # the sync: the moments may have to grow, with room for a few more steps' rows
                 self._grow(state, param, bound + ROW_HEADROOM_STEPS * len(rows))
-            state["rows_bound"] = bound + len(rows)
+            self._rows_bound[param] = bound + len(rows)
         slots = state["slot"][rows]
         new = slots < 0
         slots = torch.where(new, seen + new.cumsum(0) - 1, slots)
@@ -524,8 +535,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
         seen.add_(new.sum())
         moved = torch.linalg.vector_norm(values, 0, dim=1) > 0 if sparse else None
         beta1, beta2 = hyper["betas"]
-        settings = [hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]]
-        settings = torch.tensor(settings, dtype=STATE_DTYPE, device=param.device)  # inputs: no recompile
+        settings = torch.tensor([hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]], dtype=STATE_DTYPE)
+        if param.device.type == "cuda":  # from pinned memory: a pageable copy would wait for the device (a sync)
+            settings = settings.pin_memory()
+        settings = settings.to(param.device, non_blocking=True)  # a tensor input: a new rate is no recompile
         compiled = compiles_rows_by_default(param.device) if self.compiled_rows is None else self.compiled_rows
         update = _compiled_adamw_rows() if compiled else adamw_rows
         # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
@@ -673,6 +686,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.settle()
         self._row_views = {}  # views of the state being replaced
+        self._rows_bound = {}  # bounds of that state: the next step reads the loaded counts
         # torch casts floating-point state to each parameter's dtype (bf16 tables would get bf16 moments) and every
         # state tensor of a float parameter to that dtype (slot indices included): restore the saved dtypes after.
         saved = state_dict["state"]
@@ -731,7 +745,8 @@ def sparse_rows(grad: torch.Tensor, param: torch.Tensor | None = None) -> tuple[
         return grad.indices()[0], grad.values()
     rows = grad._indices()
     known = getattr(param, "stem_grad_rows", None)
-    if known is not None and known.data_ptr() == rows.data_ptr() and known.shape == rows.shape:
+    same = known is not None and known.device == rows.device and known.shape == rows.shape
+    if same and known.data_ptr() == rows.data_ptr():
         return rows[0], grad._values()  # the weight holds `known`: this memory is its, distinct and sorted
     if grad.device.type == "cpu":
         rows = rows[0]
@@ -756,8 +771,8 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     total = torch.stack(squares).sum().sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grad in grads:
-        if grad.is_sparse:
-            grad.mul_(scale.to(grad.device))
+        if grad.is_sparse:  # its values in place: `grad.mul_` would make new indices, which `sparse_rows` knows not
+            grad._values().mul_(scale.to(grad.device))
         else:
             grad.mul_(scale.to(device=grad.device, dtype=grad.dtype))
     return total

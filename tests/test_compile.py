@@ -104,24 +104,33 @@ def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense():
 
 
 def _syncs_per_train_step(model, batches: list[torch.Tensor], optimizer) -> tuple[list[int], Counter]:
-    """Host syncs in each train step (forward with labels, backward, the optimizer's step), and by operation."""
+    """Host syncs in each train step (forward with labels, backward, clipping as StemTrainer clips, the optimizer's
+    step), and by operation. The backward runs outside the counter: under a dispatch mode autograd clones a sparse
+    gradient it would otherwise hand on as it is, which would hide how the optimizer takes it."""
+    from stem_hf.training import clip_grad_norm
+
     counts: list[int] = []
-    with HostSyncCounter() as syncs:
-        for ids in batches:
-            before = syncs.count
-            optimizer.zero_grad()
-            model(ids, labels=ids).loss.backward()
+    syncs = HostSyncCounter()
+    for ids in batches:
+        before = syncs.count
+        optimizer.zero_grad()
+        with syncs:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        with syncs:
+            clip_grad_norm(model.parameters(), 1.0)
             optimizer.step()
-            counts.append(syncs.count - before)
+        counts.append(syncs.count - before)
     return counts, syncs.by_op
 
 
 @pytest.mark.parametrize("vocab_size", [96, 4096])
 def test_a_train_step_with_tables_on_an_accelerator_syncs_per_forward_not_per_table(monkeypatch, vocab_size):
-    """Resident tables with sparse gradients (StemTrainer's default), three of them: a step syncs as often as dense's
-    plus twice, for the forward's id check (dense Llama has none) and its distinct ids; the gradients come coalesced
-    (no sort) and the row update reads nothing back, but the count of rows with moments when they may have to grow, a
-    few steps apart (a vocabulary larger than the moments). CPU tables stand in for an accelerator's."""
+    """Resident tables with sparse gradients and clipping (StemTrainer's defaults), three of them: a step syncs as
+    often as dense's plus twice, for the forward's id check (dense Llama has none) and its distinct ids; the gradients
+    are taken as they come (no coalesce, no check of their rows) and the row update reads nothing back, but the count
+    of rows with moments when they may have to grow, a few steps apart (a vocabulary larger than the moments). CPU
+    tables stand in for an accelerator's."""
     from stem_hf import training
     from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
 

@@ -406,7 +406,8 @@ def test_compiled_rows_by_default_only_on_cuda_with_triton(monkeypatch):
 
     assert not training.compiles_rows_by_default(torch.device("cpu"))
     has_triton = importlib.util.find_spec("triton") is not None
-    assert training.compiles_rows_by_default(torch.device("cuda")) is has_triton
+    supported = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 0)
+    assert training.compiles_rows_by_default(torch.device("cuda")) is (has_triton and supported)
     monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
     calls = []
     monkeypatch.setattr(training, "_compiled_adamw_rows", lambda: lambda *a: calls.append(1) or training.adamw_rows(*a))
@@ -640,6 +641,65 @@ def test_tables_on_an_accelerator_train_as_host_tables_do(monkeypatch):
     for other in models[1:]:
         for (name, a), b in zip(models[0].named_parameters(), other.parameters(), strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_table_gradient_over_distinct_rows_is_taken_as_it_comes_until_rows_repeat():
+    """One backward's gradient of a resident table holds its distinct rows, sorted; autograd drops the flag that says
+    so, and the weight's `stem_grad_rows` says it instead: `sparse_rows` reads nothing (on an accelerator, no sync),
+    after clipping too. An accumulated second backward repeats rows and is coalesced."""
+    from stem_hf.host_syncs import HostSyncCounter
+
+    model = _stem()
+    use_sparse_table_grads(model)
+    table = model.model.stem_tables["1"].weight
+    ids = torch.tensor([[5, 9, 5, 40, 9, 7], [7, 7, 3, 40, 12, 5]])
+    model(ids, labels=ids).loss.backward()
+    assert not table.grad.is_coalesced()
+    for clipped in (False, True):
+        if clipped:
+            clip_grad_norm(model.parameters(), 1e-3)
+        with HostSyncCounter() as syncs:
+            rows, values = sparse_rows(table.grad, table)
+        assert syncs.count == 0 and rows.data_ptr() == table.stem_grad_rows.data_ptr(), syncs.by_op
+        expected = table.grad.coalesce()
+        assert torch.equal(rows, ids.unique()) and torch.equal(rows, expected.indices()[0])
+        assert torch.equal(values, expected.values())
+    model(ids, labels=ids).loss.backward()  # accumulated: each row twice
+    with HostSyncCounter() as syncs:
+        rows, values = sparse_rows(table.grad, table)
+    assert syncs.count > 0 and torch.equal(rows, ids.unique())
+    torch.testing.assert_close(values, table.grad.coalesce().values())
+
+
+def test_the_row_state_of_a_table_on_an_accelerator_survives_a_checkpoint(monkeypatch):
+    """Saved and loaded in a fresh optimizer, the accelerator path's state steps on as the original does (the host's
+    bound on rows with moments is not part of it: the first step after a load reads the count)."""
+    from stem_hf import training
+
+    monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
+    monkeypatch.setattr(training, "compiles_rows_by_default", lambda device: False)
+    torch.manual_seed(0)
+    tables = [torch.nn.Embedding(1000, 8, sparse=True)]
+    optimizers = [RowSparseAdamW([{"params": tables[0].parameters(), "row_sparse": True}], lr=1e-2)]
+    batches = [torch.randint(0, 1000, (60,), generator=torch.Generator().manual_seed(s)) for s in range(5)]
+
+    def step(table, optimizer, ids):
+        optimizer.zero_grad()
+        table(ids).pow(2).sum().backward()
+        optimizer.step()
+
+    for ids in batches[:2]:
+        step(tables[0], optimizers[0], ids)
+    assert optimizers[0].state[tables[0].weight]["exp_avg"].shape[0] < 1000  # a bound is kept: the moments can grow
+    tables.append(copy.deepcopy(tables[0]))
+    optimizers.append(RowSparseAdamW([{"params": tables[1].parameters(), "row_sparse": True}], lr=1e-2))
+    optimizers[1].load_state_dict(copy.deepcopy(optimizers[0].state_dict()))
+    for ids in batches[2:]:
+        for table, optimizer in zip(tables, optimizers, strict=True):
+            step(table, optimizer, ids)
+    assert torch.equal(tables[0].weight, tables[1].weight)
+    for key, value in optimizers[0].state[tables[0].weight].items():
+        assert torch.equal(value, optimizers[1].state[tables[1].weight][key]), key
 
 
 def test_sparse_rows_coalesce_only_where_rows_repeat_or_come_unsorted():
