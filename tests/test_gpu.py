@@ -485,3 +485,29 @@ def test_compiled_row_updates_of_resident_cuda_tables_match_eager_and_host_table
     for other in models[1:]:
         for a, b in zip(models[0].parameters(), other.parameters(), strict=True):
             _assert_close(b, a, FP32_TOL)
+
+
+def test_clipping_and_the_row_update_of_resident_cuda_tables_make_no_host_sync():
+    """Resident tables with sparse gradients on the GPU, after the moments hold every row: `clip_grad_norm` and
+    `RowSparseAdamW.step` (its default, compiled rows) run under `torch.cuda.set_sync_debug_mode("error")`, which
+    raises at any synchronizing call (a value read back, a pageable copy); the forward syncs twice (the id check and
+    its distinct ids), outside the mode."""
+    from stem_hf.training import RowSparseAdamW, clip_grad_norm, param_groups, use_sparse_table_grads
+
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], keep_tables_on_cpu=False)
+    model.to(CUDA).train()
+    use_sparse_table_grads(model)
+    optimizer = RowSparseAdamW(param_groups(model, 1e-2, row_sparse_tables=True))
+    for step in range(6):
+        ids = _ids((4, 24), seed=step).to(CUDA)
+        optimizer.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        checked = step >= 3  # by then every row has moments (vocab 96), and the compiled update has compiled
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            clip_grad_norm(model.parameters(), 1.0)
+            optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    state = optimizer.state[model.model.stem_tables["1"].weight]
+    assert state["exp_avg"].shape[0] == 96
