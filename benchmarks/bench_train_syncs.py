@@ -4,7 +4,7 @@ side by side in one run: STEM's gradient over the forward's distinct ids (`StemD
 Llama of the same shape.
 
 - `syncs`: host syncs per step (forward with labels, backward, `clip_grad_norm`, `RowSparseAdamW`'s step, as
-  `StemTrainer` runs them), counted on this CPU by `stem_hf.host_syncs.HostSyncCounter` (all but the backward, which
+  `StemTrainer` runs them), counted on this CPU by `stem_hf.host_syncs.train_step_syncs` (all but the backward, which
   makes no sync of its own here) with the tables' update on the accelerator's path (`adamw_rows`, eager), as on a
   GPU: the median over the steps after the moments stop growing, and the operations of the last step.
 - `cpu_ms`: the step's time on this CPU (the host's own paths), timed in turn round by round.
@@ -13,7 +13,6 @@ Llama of the same shape.
 """
 
 import argparse
-import contextlib
 import json
 import statistics
 
@@ -24,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stem_hf import training
 from stem_hf.cli_args import positive_int
 from stem_hf.configuration_stem import StemConfig
-from stem_hf.host_syncs import HostSyncCounter
+from stem_hf.host_syncs import train_step_syncs
 from stem_hf.modeling_stem import StemForCausalLM, StemTableRows
 from stem_hf.training import RowSparseAdamW, clip_grad_norm, param_groups, use_sparse_table_grads
 
@@ -49,20 +48,14 @@ def per_position(enable: bool) -> None:
     StemTableRows.distinct_grad = (lambda self, table: False) if enable else DISTINCT_GRAD
 
 
-def stepper(model, optimizer, ids, syncs: HostSyncCounter | None = None):
-    """A train step as StemTrainer takes it (clipping included); with `syncs`, the forward and what reads the
-    gradients counted, the backward not: under a dispatch mode autograd clones a sparse gradient it would otherwise
-    hand on as it is."""
-    counting = syncs if syncs is not None else contextlib.nullcontext()
+def stepper(model, optimizer, ids):
+    """A train step as StemTrainer takes it (clipping included)."""
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with counting:
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        with counting:
-            clip_grad_norm(model.parameters(), 1.0)
-            optimizer.step()
+        model(ids, labels=ids).loss.backward()
+        clip_grad_norm(model.parameters(), 1.0)
+        optimizer.step()
 
     return step
 
@@ -92,8 +85,7 @@ def main() -> None:
             optimizer = RowSparseAdamW(param_groups(model, 1e-3, row_sparse_tables=spec is not None))
             counts = []
             for i in range(4 * len(batches) + args.steps):  # the moments stop growing within the warm-up
-                syncs = HostSyncCounter()
-                stepper(model, optimizer, batches[i % len(batches)], syncs)()
+                syncs = train_step_syncs(model, batches[i % len(batches)], optimizer)
                 counts.append(syncs.count)
             report["syncs"][name] = {"per_step": statistics.median(counts[-args.steps :]), "last_step": syncs.by_op}
     finally:

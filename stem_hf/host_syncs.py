@@ -5,6 +5,7 @@ a step syncs no more than it should (`tests/test_compile.py`, `benchmarks/bench_
     with HostSyncCounter() as syncs:
         model(ids, labels=ids).loss.backward()
     print(syncs.count, syncs.by_op)
+    syncs = train_step_syncs(model, ids, optimizer)  # a step as StemTrainer takes it, the backward not counted
 
 A partial count, not a bound either way: `tolist` of a tensor that lives on the host syncs nothing on an accelerator
 and is counted; a copy between devices (`.cpu()`, `torch.tensor(..., device=...)` from pageable memory) and an
@@ -81,4 +82,23 @@ class HostSyncCounter(TorchDispatchMode):
             torch.Tensor.tolist, self._tolist = self._tolist, None
 
 
-__all__ = ["SYNCING_OPS", "HostSyncCounter"]
+def train_step_syncs(
+    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, max_norm: float = 1.0
+) -> HostSyncCounter:
+    """One train step as `StemTrainer` takes it (forward with labels, backward, `clip_grad_norm`, the optimizer's
+    step), its syncs counted but the backward's: under a dispatch mode autograd clones a sparse gradient it would
+    otherwise hand on as it is, which would hide how clipping and the optimizer take it."""
+    from .training import clip_grad_norm
+
+    syncs = HostSyncCounter()
+    optimizer.zero_grad(set_to_none=True)
+    with syncs:
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    with syncs:
+        clip_grad_norm(model.parameters(), max_norm)
+        optimizer.step()
+    return syncs
+
+
+__all__ = ["SYNCING_OPS", "HostSyncCounter", "train_step_syncs"]

@@ -15,7 +15,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from stem_hf import modeling_stem
-from stem_hf.host_syncs import HostSyncCounter
+from stem_hf.host_syncs import HostSyncCounter, train_step_syncs
 from tests.conftest import TINY, sensitive_model, tiny_model
 
 
@@ -104,24 +104,10 @@ def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense():
 
 
 def _syncs_per_train_step(model, batches: list[torch.Tensor], optimizer) -> tuple[list[int], Counter]:
-    """Host syncs in each train step (forward with labels, backward, clipping as StemTrainer clips, the optimizer's
-    step), and by operation. The backward runs outside the counter: under a dispatch mode autograd clones a sparse
-    gradient it would otherwise hand on as it is, which would hide how the optimizer takes it."""
-    from stem_hf.training import clip_grad_norm
-
-    counts: list[int] = []
-    syncs = HostSyncCounter()
-    for ids in batches:
-        before = syncs.count
-        optimizer.zero_grad()
-        with syncs:
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        with syncs:
-            clip_grad_norm(model.parameters(), 1.0)
-            optimizer.step()
-        counts.append(syncs.count - before)
-    return counts, syncs.by_op
+    """Host syncs in each train step (`train_step_syncs`: as StemTrainer steps, the backward not counted), and by
+    operation over all steps."""
+    steps = [train_step_syncs(model, ids, optimizer) for ids in batches]
+    return [s.count for s in steps], sum((s.by_op for s in steps), Counter())
 
 
 @pytest.mark.parametrize("vocab_size", [96, 4096])
