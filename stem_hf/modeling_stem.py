@@ -371,10 +371,12 @@ class StemTableRows:
         """Whether a table on the ids' device gets its sparse gradient over the distinct ids (`StemDistinctRowsGrad`):
         a plain `sparse` table that trains, eager. A wrapped or hooked table computes its rows in its own forward (an
         accelerate hook replaces `forward` itself, and brings a meta weight in there); a freed table raises there."""
-        hooked = table._forward_hooks or table._forward_pre_hooks or hasattr(table, "_hf_hook")
-        if type(table) is not StemTable or hooked or table.weight.device.type == "meta" or table.weight.shape[0] == 0:
+        if not torch.is_grad_enabled() or type(table) is not StemTable:  # first: inference and decoding stop here
             return False
-        grows = torch.is_grad_enabled() and table.weight.requires_grad and table.sparse
+        hooked = table._forward_hooks or table._forward_pre_hooks or hasattr(table, "_hf_hook")
+        if hooked or table.weight.device.type == "meta" or table.weight.shape[0] == 0:
+            return False
+        grows = table.weight.requires_grad and table.sparse
         usual = table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
         return grows and usual and not torch.compiler.is_compiling()
 
@@ -564,7 +566,7 @@ class StemTables(nn.ModuleDict):
                     "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
                 )
         rows = StemTableRows(self, stem_input_ids)
-        if any(not rows.host_served(t) and rows.distinct_grad(t) for t in self.values()):
+        if torch.is_grad_enabled() and any(not rows.host_served(t) and rows.distinct_grad(t) for t in self.values()):
             rows.distinct_here()  # now, while the id check has just emptied the queue: its sync waits for little
         return rows
 
