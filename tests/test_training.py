@@ -419,6 +419,8 @@ def test_compiled_rows_by_default_only_on_cuda_with_triton(monkeypatch):
         table(torch.tensor([1, 2, 3])).sum().backward()
         opt.step()
         assert len(calls) == expected, (on_cuda, compiled_rows)
+    with pytest.raises(ValueError, match="compiled_rows is None"):
+        RowSparseAdamW(torch.nn.Embedding(5, 2).parameters(), compiled_rows="yes")
 
 
 def test_compiled_rows_equal_torch_adamw_where_every_row_steps(monkeypatch):
