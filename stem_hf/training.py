@@ -314,7 +314,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"RowSparseAdamW: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
         if compiled_rows is not None and not isinstance(compiled_rows, bool):
-            raise ValueError(f"RowSparseAdamW: compiled_rows is None (CUDA with Triton), True or False: {compiled_rows!r}")
+            raise ValueError(f"RowSparseAdamW: compiled_rows is None (the default), True or False: {compiled_rows!r}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "row_sparse": row_sparse}
         self.write_behind = write_behind
         self.compiled_rows = compiled_rows
