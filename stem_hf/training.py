@@ -439,7 +439,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
                 _table_writer().submit(_write, write, param, self._row_update, rows, values, hyper, sparse)
                 return
         else:
-            rows = param.grad.ne(0).any(dim=1).nonzero().squeeze(1)
+            rows = rows_with_gradient(param.grad).nonzero().squeeze(1)
             values = param.grad.index_select(0, rows)
         self._row_update(param, rows, values, hyper, sparse)
 
@@ -455,7 +455,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
             fused = FUSED_HOST_ROWS and param.dtype == values.dtype == STATE_DTYPE and param.is_contiguous()
             kept = None  # the moved rows' places in `values`, where some did not move
             if sparse:  # a row in the batch with no gradient moves no more than under dense gradients
-                moved = torch.linalg.vector_norm(values, 0, dim=1) > 0
+                moved = rows_with_gradient(values)
                 if not bool(moved.all()):
                     kept = moved.nonzero().squeeze(1)
                     rows = rows[kept]
@@ -735,6 +735,21 @@ def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
         )
     for table in tables:
         table.sparse = enable
+
+
+def rows_with_gradient(values: torch.Tensor) -> torch.Tensor:
+    """Which rows of a 2-D host gradient hold a value other than zero (NaN counts), as `values.ne(0).any(1)` says.
+    A row's first value settles most rows: a gradient row rarely has a zero there, and a row without gradient always
+    does. Only rows with a zero first value are read whole, not the gradient's every byte (a host step's own pass)."""
+    if values.shape[1] == 0:
+        return torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    moved = values[:, 0] != 0
+    unsure = (~moved).nonzero().squeeze(1)
+    if 2 * len(unsure) > len(moved):  # mostly rows without gradient (a dense table gradient): one pass, no copy
+        return torch.linalg.vector_norm(values, 0, dim=1) > 0
+    if unsure.numel():
+        moved[unsure] = torch.linalg.vector_norm(values.index_select(0, unsure), 0, dim=1) > 0
+    return moved
 
 
 def sparse_rows(grad: torch.Tensor, param: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1062,6 +1077,7 @@ __all__ = [
     "compiles_rows_by_default",
     "lora_config",
     "param_groups",
+    "rows_with_gradient",
     "sparse_rows",
     "use_sparse_table_grads",
 ]

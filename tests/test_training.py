@@ -20,6 +20,7 @@ from stem_hf.training import (
     build_optimizer,
     clip_grad_norm,
     param_groups,
+    rows_with_gradient,
     sparse_rows,
     use_sparse_table_grads,
 )
@@ -714,6 +715,22 @@ def test_sparse_rows_coalesce_only_where_rows_repeat_or_come_unsorted():
         assert torch.equal(rows, expected.indices()[0]) and torch.equal(got, expected.values())
         # Distinct sorted rows are handed on as they are, without the copy a coalesce makes.
         assert (got.data_ptr() == grad._values().data_ptr()) is (indices == [1, 4, 7])
+
+
+@pytest.mark.parametrize("zero_rows", [2, 30])  # a few rows without gradient (sparse) and mostly such rows (dense)
+def test_rows_with_gradient_are_the_rows_with_a_value_other_than_zero(zero_rows):
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(40, 7, generator=g)
+    values[:zero_rows] = 0.0
+    values[zero_rows, 0] = 0.0  # a zero first value, a gradient further on: read whole, it still counts
+    values[zero_rows + 1, :] = 0.0
+    values[zero_rows + 1, 6] = float("nan")  # NaN is a value other than zero, as `ne(0)` says
+    values[zero_rows + 2, 0] = -0.0
+    values = values[torch.randperm(40, generator=g)]
+    expected = values.ne(0).any(dim=1)
+    assert torch.equal(rows_with_gradient(values), expected) and int(expected.sum()) == 40 - zero_rows
+    assert torch.equal(rows_with_gradient(values.bfloat16()), expected)
+    assert rows_with_gradient(torch.zeros(3, 0)).tolist() == [False] * 3
 
 
 def test_a_row_in_the_batch_without_gradient_stays_put_with_sparse_gradients():
