@@ -3,14 +3,16 @@
 At the issue's 0.75B shape (tables of 32000 x 5632, float32 as training holds them) and a batch of 8 x 1024 tokens,
 uniform or Zipf-distributed:
 
-- `row_step`: one table's step five ways, timed in turn round by round on the same batches: `fused`, each row in
+- `row_step`: one table's step seven ways, timed in turn round by round on the same batches: `fused`, each row in
   place by torch's fused CPU AdamW kernel (`FUSED_HOST_ROWS`, the default for float32 tables), the rows shared out to
-  serial worker threads; `fused_one_call`, the same kernel in one call from the stepping thread, and
-  `fused_one_call_other_thread` stepped from a thread of its own, as the table writer does; `chunked`, rows gathered,
-  updated by torch's elementwise operations and scattered back in cache-sized chunks (`ROW_CHUNK_ELEMENTS`, what bf16
-  tables take); `one_pass`, the chunked update over all of the batch's rows at once; `compiled`, the rows' gather,
-  update and scatter by one function compiled by inductor (`RowSparseAdamW(compiled_rows=True)`, which applies to
-  tables on an accelerator: the table is taken for one here), compiled in the warm-up steps.
+  serial worker threads; `fused_full_scan`, the same with every gradient value read to tell the rows with gradient
+  (what `rows_with_gradient` did before it read a row's first value first); `fused_one_call`, the same kernel in one
+  call from the stepping thread, and `fused_one_call_other_thread` stepped from a thread of its own, as the table
+  writer does; `chunked`, rows gathered, updated by torch's elementwise operations and scattered back in cache-sized
+  chunks (`ROW_CHUNK_ELEMENTS`, what bf16 tables take); `one_pass`, the chunked update over all of the batch's rows at
+  once; `compiled`, the rows' gather, update and scatter by one function compiled by inductor
+  (`RowSparseAdamW(compiled_rows=True)`, which applies to tables on an accelerator: the table is taken for one here),
+  compiled in the warm-up steps.
 - `write_behind`: three tables' steps, fused and chunked; how long `step()` holds the calling thread (the one that
   would launch the accelerator's work) when it writes the rows itself and when a worker writes them behind, and how
   long until the rows are written.
@@ -58,10 +60,15 @@ def tables(n: int) -> list[torch.nn.Parameter]:
     return params
 
 
+def full_scan(values: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(values, 0, dim=1) > 0
+
+
 def run_row_step(kind: str, repeats: int, warmup: int) -> dict:
     """One table, each way in turn on the same batches (each its own table and state)."""
     variants = {  # FUSED_HOST_ROWS, ROW_CHUNK_ELEMENTS, ROWS_PER_WORKER, stepped from a thread of its own
         "fused": (True, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),
+        "fused_full_scan": (True, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),
         "fused_one_call": (True, training.ROW_CHUNK_ELEMENTS, 1 << 62, False),
         "fused_one_call_other_thread": (True, training.ROW_CHUNK_ELEMENTS, 1 << 62, True),
         "chunked": (False, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),
@@ -69,7 +76,7 @@ def run_row_step(kind: str, repeats: int, warmup: int) -> dict:
         "compiled": (False, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER, False),  # `compiled_rows=True`
     }
     defaults = training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER
-    in_host_memory = training._in_host_memory
+    in_host_memory, rows_with_gradient = training._in_host_memory, training.rows_with_gradient
     other_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-writer")  # as the table writer steps its tables
     (start,) = tables(1)
     params = {name: torch.nn.Parameter(start.detach().clone()) for name in variants}
@@ -90,6 +97,7 @@ def run_row_step(kind: str, repeats: int, warmup: int) -> dict:
             training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER = settings
             # `compiled_rows` applies to tables on an accelerator: this host table is taken for one, to time it here.
             training._in_host_memory = (lambda param: False) if name == "compiled" else in_host_memory
+            training.rows_with_gradient = full_scan if name == "fused_full_scan" else rows_with_gradient
             start = time.perf_counter()
             if elsewhere:
                 other_thread.submit(optimizers[name].step).result()
@@ -97,16 +105,17 @@ def run_row_step(kind: str, repeats: int, warmup: int) -> dict:
                 optimizers[name].step()
             if step >= warmup:
                 times[name].append(time.perf_counter() - start)
-    training._in_host_memory = in_host_memory
+    training._in_host_memory, training.rows_with_gradient = in_host_memory, rows_with_gradient
     training.FUSED_HOST_ROWS, training.ROW_CHUNK_ELEMENTS, training.ROWS_PER_WORKER = defaults
     other_thread.shutdown()
     out = {"rows": len(batch_rows(kind, 0)), "chunk_rows": max(1, variants["chunked"][1] // D_FF)}
     for name, seconds in times.items():
         out[f"{name}_ms"] = round(statistics.median(seconds) * 1e3, 1)
     out["fused_speedup_over_chunked"] = round(out["chunked_ms"] / out["fused_ms"], 2)
+    out["fused_speedup_over_full_scan"] = round(out["fused_full_scan_ms"] / out["fused_ms"], 2)
     out["chunked_speedup_over_one_pass"] = round(out["one_pass_ms"] / out["chunked_ms"], 2)
     torch.testing.assert_close(params["chunked"], params["one_pass"], rtol=0, atol=0)  # the same update, bit for bit
-    for name in ("fused_one_call", "fused_one_call_other_thread"):  # the same kernel on the same rows
+    for name in ("fused_full_scan", "fused_one_call", "fused_one_call_other_thread"):  # the same kernel and rows
         torch.testing.assert_close(params[name], params["fused"], rtol=0, atol=0)
     torch.testing.assert_close(params["compiled"], params["chunked"], rtol=1e-5, atol=1e-6)
     # The fused kernel's own order of operations: equal to rounding, not bit for bit.

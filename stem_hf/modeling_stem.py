@@ -258,6 +258,7 @@ class StemTable(nn.Embedding):
 HOST_ROWS_AHEAD = 2
 _ROW_WORKER: ThreadPoolExecutor | None = None
 _COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_GRAD_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
 def _row_worker() -> ThreadPoolExecutor:
@@ -272,6 +273,7 @@ def _forget_row_worker() -> None:
     global _ROW_WORKER
     _ROW_WORKER = None
     _COPY_STREAMS.clear()
+    _GRAD_COPY_STREAMS.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -288,10 +290,44 @@ def distinct_sparse_grad(weight: torch.Tensor, unique: torch.Tensor, rows: torch
     return torch.sparse_coo_tensor(indices, rows, weight.shape, is_coalesced=True, check_invariants=False)
 
 
+def copies_grad_behind(weight: torch.Tensor) -> bool:
+    """Whether a host table's gradient may cross from the accelerator while the backward goes on (`_copy_grad_behind`):
+    whether nothing reads it before the backward ends. Not where it is added to a gradient already there (autograd adds
+    at once), where the weight has a gradient hook, or under torch.distributed, whose wrappers hook a gradient's
+    accumulation where no hook shows on the weight."""
+    hooked = weight._backward_hooks or weight._post_accumulate_grad_hooks
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return weight.grad is None and not hooked and not distributed
+
+
+def _copy_grad_behind(host: torch.Tensor, grad: torch.Tensor) -> None:
+    """Copies `grad` (CUDA) into pinned `host` on a side stream, so the backward's next kernels run while it crosses;
+    the backward does not return before it has arrived (a callback at its end waits for the copy's event)."""
+    device = grad.device
+    if device not in _GRAD_COPY_STREAMS:
+        _GRAD_COPY_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _GRAD_COPY_STREAMS[device]
+    stream.wait_stream(torch.cuda.current_stream(device))  # the gradient is made on the main stream
+    with torch.cuda.stream(stream):
+        host.copy_(grad, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record(stream)
+    grad.record_stream(stream)  # freed on the main stream while the side one may still read it
+    torch.autograd.Variable._execution_engine.queue_callback(arrived.synchronize)
+
+
+def _settle_grad_copies(device: torch.device) -> None:
+    """Waits for the gradient copies behind still crossing from `device` (an earlier one of this backward may be the
+    gradient autograd is about to add to)."""
+    stream = _GRAD_COPY_STREAMS.get(device)
+    if stream is not None:
+        stream.synchronize()
+
+
 class StemHostRowsGrad(torch.autograd.Function):
     """Rows gathered on the host and copied to the accelerator, made differentiable in the host table: the backward
-    copies the distinct rows' gradients back and hands the table a sparse gradient (if the table is `sparse`) or a
-    dense one, as the table's own lookup would."""
+    copies the distinct rows' gradients back (from CUDA behind the backward's next kernels where `copies_grad_behind`)
+    and hands the table a sparse gradient (if the table is `sparse`) or a dense one, as the table's own lookup would."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, unique: torch.Tensor, rows: torch.Tensor, sparse: bool) -> torch.Tensor:
@@ -305,12 +341,16 @@ class StemHostRowsGrad(torch.autograd.Function):
         (unique,) = ctx.saved_tensors
         grad = grad.to(ctx.dtype)  # cast where the rows are: on an accelerator, before they cross
         if grad.device != unique.device:
-            # A blocking copy into pinned memory: a DMA at the link's speed, where a pageable one is staged by the
-            # driver. Blocking, so autograd never sees the host gradient before its bytes have arrived.
-            host = torch.empty(
-                grad.shape, dtype=grad.dtype, device=unique.device, pin_memory=grad.device.type == "cuda"
-            )
-            grad = host.copy_(grad)
+            # Into pinned memory: a DMA at the link's speed, where a pageable one is staged by the driver.
+            cuda = grad.device.type == "cuda"
+            host = torch.empty(grad.shape, dtype=grad.dtype, device=unique.device, pin_memory=cuda)
+            if cuda and copies_grad_behind(ctx.weight):
+                _copy_grad_behind(host, grad)
+                grad = host
+            else:  # blocking, so autograd never sees the host gradient before its bytes have arrived
+                if cuda:
+                    _settle_grad_copies(grad.device)
+                grad = host.copy_(grad)
         if ctx.sparse:
             return distinct_sparse_grad(ctx.weight, unique, grad), None, None, None
         return grad.new_zeros(ctx.shape).index_copy_(0, unique, grad), None, None, None
@@ -1121,6 +1161,7 @@ __all__ = [
     "StemTableRows",
     "StemTables",
     "check_token_ids",
+    "copies_grad_behind",
     "distinct_sparse_grad",
     "settle",
     "xavier_normal_std",

@@ -146,6 +146,52 @@ def test_host_rows_come_ahead_from_the_worker_and_train_with_sparse_gradients_on
         _assert_close(table.weight.grad.to_dense(), dense_grads.model.stem_tables[key].weight.grad, 1e-6)
 
 
+@pytest.mark.parametrize("sparse", [True, False])
+def test_host_table_gradients_cross_behind_the_backward_yet_arrive_before_it_returns(monkeypatch, sparse):
+    """A host table's gradient is copied on a side stream while the backward goes on; the backward returns only once
+    it has arrived (the copies are held back here by a sleep on that stream, so a backward that did not wait would
+    hand over unfilled memory). A gradient added to one already there (accumulation) and a table with a gradient
+    hook get blocking copies. Every gradient equals that of blocking copies throughout."""
+    import stem_hf.modeling_stem as modeling
+
+    behind, crossed = modeling._copy_grad_behind, []
+
+    def held_back(host, grad):
+        stream = modeling._GRAD_COPY_STREAMS.setdefault(grad.device, torch.cuda.Stream(grad.device))
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds before the copy starts
+        crossed.append(grad.shape)
+        behind(host, grad)
+
+    batches = [_ids((2, 12), seed=seed).to(CUDA) for seed in (0, 1)]
+    runs = []
+    for copies_behind in (True, False):
+        torch.manual_seed(0)
+        model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3]).to(CUDA)
+        tables = list(model.model.stem_tables.values())
+        for table in tables:
+            table.sparse = sparse
+        hooked = []
+        tables[0].weight.register_post_accumulate_grad_hook(lambda w, seen=hooked: seen.append(w.grad.to_dense() + 0))
+        if copies_behind:
+            monkeypatch.setattr(modeling, "_copy_grad_behind", held_back)
+        else:
+            monkeypatch.setattr(modeling, "copies_grad_behind", lambda weight: False)
+        grads = []
+        for ids in batches:  # two micro-batches: the second adds to the first's gradients
+            crossed.clear()
+            model(ids, labels=ids).loss.backward()
+            grads.append([t.weight.grad.to_dense() + 0 for t in tables] + [hooked[-1]])
+            if copies_behind:  # the hooked table and every added gradient waited; the rest crossed behind
+                assert len(crossed) == (2 if ids is batches[0] else 0)
+        monkeypatch.undo()
+        runs.append(grads)
+    for behind_grads, blocking_grads in zip(*runs, strict=True):
+        for got, expected in zip(behind_grads, blocking_grads, strict=True):
+            assert got.device.type == "cpu" and torch.equal(got, expected)
+    assert runs[0][0][1].abs().sum() > 0  # real gradients
+
+
 def test_a_bf16_dense_part_on_cuda_with_bf16_host_tables():
     model = sensitive_model()  # tables bf16 (the default table_dtype), dense fp32
     ids = _ids((2, 16))

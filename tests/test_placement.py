@@ -16,7 +16,7 @@ from transformers.integrations.accelerate import expand_device_map
 from stem_hf import StemForCausalLM, checkpoint_stem
 from stem_hf.checkpoint_stem import device_map_keeping_tables_on_cpu
 from stem_hf.compat_stem import CACHE_ARG
-from stem_hf.modeling_stem import StemTableRows
+from stem_hf.modeling_stem import StemTable, StemTableRows, copies_grad_behind
 from tests.conftest import mapped_file, sensitive_model, tiny_model
 
 TABLE, DENSE = "model.stem_tables.1.weight", "model.layers.1.mlp.gate_proj.weight"
@@ -104,6 +104,20 @@ def _host_served(monkeypatch) -> list[tuple[int, str]]:
     monkeypatch.setattr(StemTableRows, "host_served", lambda self, table: True)
     monkeypatch.setattr(StemTableRows, "_fetch", recorded)
     return fetches
+
+
+def test_a_host_table_gradient_crosses_behind_the_backward_only_where_nothing_reads_it_before_the_backward_ends():
+    """From CUDA a host table's gradient is copied while the backward goes on (test_gpu holds the copies back and
+    checks they arrive): not where autograd adds it to a gradient already there or a hook reads it in the backward."""
+    weight = StemTable(5, 3).weight
+    assert copies_grad_behind(weight)
+    for register in (weight.register_hook, weight.register_post_accumulate_grad_hook):
+        hook = register(lambda x: None)
+        assert not copies_grad_behind(weight)
+        hook.remove()
+        assert copies_grad_behind(weight)
+    weight.grad = torch.zeros_like(weight)
+    assert not copies_grad_behind(weight)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
