@@ -151,6 +151,10 @@ class StemConfig(PreTrainedConfig):
         keep_tables_on_cpu: when the model is moved to an accelerator (`.to("cuda")`, `device_map`), tables stay in
             host memory and each forward moves only the rows of the batch's distinct tokens. Set it to False to train
             with DDP or FSDP, which want every parameter on the accelerator.
+        fused_table_lookup: whether a STEM layer, outside autograd (inference, decoding), gathers its table rows
+            inside the kernel that computes `SiLU(gate) * rows` (compiled by inductor once), so the `[tokens, d_ff]`
+            rows are never a tensor of their own. `None` (the default): on CUDA where Triton is installed; `True`:
+            on any device (inductor compiles for the CPU too); `False`: never. Numbers equal to rounding.
 
     The other fields mean what they mean in `LlamaConfig`.
 
@@ -208,6 +212,7 @@ class StemConfig(PreTrainedConfig):
     stem_layers: list[int] | str | None = "1/3"
     table_dtype: str = "bfloat16"
     keep_tables_on_cpu: bool = True
+    fused_table_lookup: bool | None = None
     supported_transformers: str = SUPPORTED_TRANSFORMERS
 
     def __post_init__(self, **kwargs):
@@ -232,6 +237,8 @@ class StemConfig(PreTrainedConfig):
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
         check_table_dtype(self.table_dtype)
+        if not any(self.fused_table_lookup is allowed for allowed in (None, True, False)):  # "no" is not False
+            raise ValueError(f"fused_table_lookup: {self.fused_table_lookup!r} must be True, False or None (auto)")
         self.stem_layers = self.stem_layers  # resolved by __setattr__, which keeps a ratio to follow num_hidden_layers
         if not self.qk_norm:  # no rule for modules the model does not have (transformers warns about those)
             plan = type(self).base_model_tp_plan

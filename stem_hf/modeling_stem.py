@@ -8,13 +8,14 @@ the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a
 Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
 """
 
+import importlib.util
 import math
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -376,6 +377,46 @@ class StemDistinctRowsGrad(torch.autograd.Function):
         return distinct_sparse_grad(ctx.weight, unique, rows), None, None, None
 
 
+class StemLookup(NamedTuple):
+    """Rows a STEM layer gathers inside its own kernel, `table[index]`: a table and the forward's ids, or the distinct
+    rows a forward moved to the accelerator and each position's place among them (`StemTableRows.lookup`)."""
+
+    table: torch.Tensor
+    index: torch.Tensor
+
+
+def gated_lookup(gate: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`SiLU(gate) * table[index]` in `gate`'s dtype: a STEM FFN's product before its down projection."""
+    return nn.functional.silu(gate) * nn.functional.embedding(index, table).to(gate.dtype)
+
+
+_FUSED_GATED_LOOKUP: Callable | None = None
+_FUSES_ON: dict[torch.device, bool] = {}
+
+
+def fused_gated_lookup(gate: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`gated_lookup` as one kernel, compiled by inductor once for every shape: the rows are read where the product
+    is computed, never written as a `[tokens, d_ff]` tensor of their own, and the activation and the product are no
+    passes of their own. Traced as it is inside a compiled model, whose compile fuses it."""
+    if torch.compiler.is_compiling():
+        return gated_lookup(gate, table, index)
+    global _FUSED_GATED_LOOKUP
+    if _FUSED_GATED_LOOKUP is None:
+        _FUSED_GATED_LOOKUP = torch.compile(gated_lookup, dynamic=True, fullgraph=True)
+    return _FUSED_GATED_LOOKUP(gate, table, index)
+
+
+def fuses_lookups_on(device: torch.device) -> bool:
+    """Whether `config.fused_table_lookup=None` (the default) fuses on `device`: CUDA where Triton, which inductor
+    writes its kernels in, is installed and the GPU is one it supports (compute capability 7.0 or newer)."""
+    if device.type != "cuda":
+        return False
+    if device not in _FUSES_ON:
+        triton = importlib.util.find_spec("triton") is not None
+        _FUSES_ON[device] = triton and torch.cuda.get_device_capability(device) >= (7, 0)
+    return _FUSES_ON[device]
+
+
 class StemTableRows:
     """The table rows of one batch, handed out per STEM layer.
 
@@ -406,6 +447,30 @@ class StemTableRows:
                 return StemDistinctRowsGrad.apply(table.weight, self.stem_input_ids, unique, inverse)
             return table(self.stem_input_ids)
         return self.host_rows(layer_idx)
+
+    def lookup(self, layer_idx: int) -> torch.Tensor | StemLookup:
+        """Layer `layer_idx`'s rows as `self[layer_idx]` gives them or, where the layer gathers them inside its own
+        kernel (`fuses`), what to gather from: the table and the ids, or the rows moved from host memory and each
+        position's place among them."""
+        table = self.tables[str(layer_idx)]
+        if table.weight.shape[0] == 0 or not self.fuses(table):
+            return self[layer_idx]
+        if not self.host_served(table):
+            settle(table.weight)
+            return StemLookup(table.weight, self.stem_input_ids)
+        return self.host_rows(layer_idx, gathered=False)
+
+    def fuses(self, table: nn.Embedding) -> bool:
+        """Whether the layer gathers `table`'s rows inside its own kernel (`fused_gated_lookup`): without autograd
+        (inference, decoding), for a plain table, as `config.fused_table_lookup` says (None: where the ids are on a
+        device `fuses_lookups_on`)."""
+        if torch.is_grad_enabled() or type(table) is not StemTable:  # first: training stops here
+            return False
+        setting = self.tables.config.fused_table_lookup
+        hooked = table._forward_hooks or table._forward_pre_hooks or hasattr(table, "_hf_hook")
+        if setting is False or hooked or table.weight.device.type == "meta":
+            return False
+        return setting or fuses_lookups_on(self.stem_input_ids.device)
 
     def distinct_grad(self, table: nn.Embedding) -> bool:
         """Whether a table on the ids' device gets its sparse gradient over the distinct ids (`StemDistinctRowsGrad`):
@@ -449,14 +514,16 @@ class StemTableRows:
         on_host = table.weight.device.type == "cpu" and self.stem_input_ids.device.type in ("cuda", "cpu")
         return plain and on_host and not torch.compiler.is_compiling()
 
-    def host_rows(self, layer_idx: int) -> torch.Tensor:
+    def host_rows(self, layer_idx: int, gathered: bool = True) -> torch.Tensor | StemLookup:
         """Layer `layer_idx`'s rows from a table on another device than the ids: each distinct id looked up once, only
-        those rows moved; fetched ahead by the worker where `pipelined`."""
+        those rows moved; fetched ahead by the worker where `pipelined`. Not `gathered`: the moved rows and each
+        position's place among them, for the layer to gather."""
         unique, inverse = self.distinct()
         table = self.tables[str(layer_idx)]
         if not self.pipelined(table):
             settle(table.weight)
-            return table(unique.to(table.weight.device)).to(self.stem_input_ids.device, non_blocking=True)[inverse]
+            rows = table(unique.to(table.weight.device)).to(self.stem_input_ids.device, non_blocking=True)
+            return rows[inverse] if gathered else StemLookup(rows, inverse)
         if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
             rows, ready = self._fetch(table, unique, self._main_stream())
         else:
@@ -467,7 +534,7 @@ class StemTableRows:
             torch.cuda.current_stream(rows.device).wait_event(ready)
         if torch.is_grad_enabled() and table.weight.requires_grad:
             rows = StemHostRowsGrad.apply(table.weight, unique, rows, table.sparse)
-        return rows[inverse]
+        return rows[inverse] if gathered else StemLookup(rows, inverse)
 
     def _main_stream(self):
         device = self.stem_input_ids.device
@@ -718,11 +785,17 @@ class StemTableMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.fuses = config.hidden_act == "silu"  # the activation `fused_gated_lookup` computes
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor | StemLookup) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        if isinstance(rows, StemLookup):
+            if self.fuses and rows.table.device == x.device:
+                return self.down_proj(fused_gated_lookup(gate, rows.table, rows.index))
+            rows = nn.functional.embedding(rows.index, rows.table)
         # Cast the gathered rows, never the table: tables may be stored in another dtype or live on another device.
         rows = rows.to(device=x.device, dtype=x.dtype)
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * rows)
+        return self.down_proj(self.act_fn(gate) * rows)
 
 
 class StemRows(Protocol):
@@ -777,8 +850,11 @@ class StemDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
-        if self.is_stem:
-            hidden_states = self.mlp(hidden_states, stem_rows[self.layer_idx])
+        if self.is_stem:  # the model's own rows may be gathered inside the layer's kernel (`StemTableRows.lookup`)
+            own = type(stem_rows) is StemTableRows
+            hidden_states = self.mlp(
+                hidden_states, stem_rows.lookup(self.layer_idx) if own else stem_rows[self.layer_idx]
+            )
         else:
             hidden_states = self.mlp(hidden_states)
         return residual + hidden_states
@@ -1152,6 +1228,7 @@ __all__ = [
     "StemDistinctRowsGrad",
     "StemForCausalLM",
     "StemHostRowsGrad",
+    "StemLookup",
     "StemModel",
     "StemPreTrainedModel",
     "StemRowSource",
@@ -1163,6 +1240,9 @@ __all__ = [
     "check_token_ids",
     "copies_grad_behind",
     "distinct_sparse_grad",
+    "fused_gated_lookup",
+    "fuses_lookups_on",
+    "gated_lookup",
     "settle",
     "xavier_normal_std",
 ]

@@ -289,6 +289,83 @@ def test_under_compile_each_gather_fuses_into_its_layers_silu_times_rows_kernel(
     assert len(stem_kernels) == len(dense_kernels) and stem_mm == dense_mm - len(model.config.stem_layers)
 
 
+def _lookups(model, ids, grad: bool = False) -> list:
+    """What each STEM layer of `model` would be handed for `ids`: rows, or a `StemLookup` to gather itself."""
+    with torch.set_grad_enabled(grad):
+        rows = model.model.stem_tables(ids)
+        return [rows.lookup(layer) for layer in model.config.stem_layers]
+
+
+def test_lookups_fuse_outside_autograd_for_plain_tables_as_the_config_says(monkeypatch):
+    """`fused_table_lookup`: None (the default) fuses on CUDA with Triton only, True anywhere, False never; never
+    under autograd (training keeps its own gradients' paths) or for a hooked table. A layer whose activation is not
+    SiLU gathers a lookup's rows itself, with the unfused logits."""
+    model, ids = sensitive_model(table_dtype="float32"), _ids(5)
+    assert not modeling_stem.fuses_lookups_on(torch.device("cpu")) and model.config.fused_table_lookup is None
+    assert all(isinstance(r, torch.Tensor) for r in _lookups(model, ids))  # the default, on the CPU
+    model.config.fused_table_lookup = True
+    lookups = _lookups(model, ids)
+    assert all(isinstance(r, modeling_stem.StemLookup) for r in lookups)
+    table = model.model.stem_tables[str(model.config.stem_layers[0])].weight
+    assert lookups[0].table is table and lookups[0].index is ids  # the table itself: nothing gathered, nothing copied
+    assert all(isinstance(r, torch.Tensor) for r in _lookups(model, ids, grad=True))
+    hook = model.model.stem_tables[str(model.config.stem_layers[0])].register_forward_hook(lambda *args: None)
+    assert isinstance(_lookups(model, ids)[0], torch.Tensor) and isinstance(_lookups(model, ids)[1], type(lookups[1]))
+    hook.remove()
+    model.config.fused_table_lookup = False
+    assert all(isinstance(r, torch.Tensor) for r in _lookups(model, ids))
+    for bad in ("no", 1, 0):
+        with pytest.raises(ValueError, match="fused_table_lookup"):
+            tiny_model(fused_table_lookup=bad)
+    gelu = sensitive_model(hidden_act="gelu", table_dtype="float32")
+    compiled = []
+    monkeypatch.setattr(modeling_stem, "fused_gated_lookup", lambda *args: compiled.append(args))
+    with torch.no_grad():
+        expected = gelu(ids).logits
+        gelu.config.fused_table_lookup = True
+        assert isinstance(_lookups(gelu, ids)[0], modeling_stem.StemLookup)
+        torch.testing.assert_close(gelu(ids).logits, expected, rtol=0, atol=0)
+    assert compiled == []  # SiLU is what the fused kernel computes: a GELU layer gathers and goes on unfused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_dtype", "table_dtype"), [("float32", "float32"), ("bfloat16", "float32")])
+def test_a_fused_lookup_is_one_kernel_with_the_gather_inside_and_gives_the_unfused_logits(
+    monkeypatch, model_dtype, table_dtype
+):
+    """With `fused_table_lookup=True` a STEM layer outside autograd computes `SiLU(gate) * table[ids]` by one kernel
+    that inductor writes with the gather inside (here C++ on the CPU; Triton on CUDA, where it is the default): no
+    kernel of its own for the gather, the activation or the product. Logits equal the unfused model's to rounding, for
+    resident tables and for rows moved from host memory (the host path, here on the CPU), and greedy tokens too."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    dtype = getattr(torch, model_dtype)
+    unfused = sensitive_model(table_dtype=table_dtype).to(dtype)
+    fused = sensitive_model(table_dtype=table_dtype, fused_table_lookup=True).to(dtype)
+    ids, tol = _ids(6), (1e-6 if dtype == torch.float32 else 2e-2)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = unfused(ids).logits
+        got, codes = run_and_get_code(lambda: fused(ids).logits)
+        code = "\n".join(codes)
+        body = code[code.index("def call(") : code.index("return (", code.index("def call("))]
+        kernels = re.findall(r"^\s+(cpp_fused_\w+)\(", body, re.M)
+        assert len(kernels) == 1 and all(op in kernels[0] for op in ("embedding", "silu", "mul")), kernels
+        # Nothing else runs, and the one buffer is the product: no gather, copy or cast of rows of their own.
+        assert "extern_kernels." not in body and "aten." not in body and body.count("empty_strided") == 1, body
+        torch.testing.assert_close(got, expected, rtol=0, atol=tol * expected.abs().max().item())
+        monkeypatch.setattr(modeling_stem.StemTableRows, "host_served", lambda self, table: True)
+        lookup = _lookups(fused, ids)[0]
+        assert isinstance(lookup, modeling_stem.StemLookup) and lookup.table.shape[0] == len(ids.unique())
+        torch.testing.assert_close(fused(ids).logits, expected, rtol=0, atol=tol * expected.abs().max().item())
+        monkeypatch.undo()
+    if dtype == torch.float32:
+        settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(fused.generate(ids, **settings), unfused.generate(ids, **settings))
+
+
 @pytest.mark.slow
 def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its_prediction(tmp_path):
     """`benchmarks/bench_gpu.py` end to end at a tiny shape on the CPU (host and engine cases need an accelerator):
