@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -27,6 +28,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, LogitsPro
 from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.accounting import flops_per_token
 from stem_hf.cli_args import int_at_least, positive_int
+from stem_hf.modeling_stem import fuses_lookups_on
 from stem_hf.offload import StemOffloadEngine
 from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
 
@@ -186,6 +188,22 @@ def decode_step_s(model, prompt: torch.Tensor, new: int, repeats: int, device: t
     return statistics.median(steps), outs[-1], all(torch.equal(o, outs[-1]) for o in outs)
 
 
+@contextmanager
+def lookup(model, fused: bool):
+    """`model` with `fused_table_lookup` set to `fused` for the block's forwards."""
+    setting = model.config.fused_table_lookup
+    model.config.fused_table_lookup = fused
+    try:
+        yield model
+    finally:
+        model.config.fused_table_lookup = setting
+
+
+def with_lookup(model, fused: bool, *args):
+    with lookup(model, fused):
+        return model(*args)
+
+
 def last_logits(model, prompts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Per batch, the prompt's next-token logits (float32, on the host) of one forward."""
     with torch.inference_mode():
@@ -236,6 +254,8 @@ def run_prefill(args, device: torch.device) -> dict:
     dense = build(args.shape, None, device, dtype)
     dense_compiled = torch.compile(dense, fullgraph=True) if args.compile else None
     out, dense_times = {"dense_ms": {}}, {"uniform": [], "zipf": [], "compiled": []}
+    fuses = fuses_lookups_on(device)  # what `fused_table_lookup=None`, the default, does here
+    out["fused_lookup_by_default"] = fuses
     for spec in tqdm(SPECS, desc="prefill"):
         model = build(args.shape, spec, device, dtype)
         context = (args.seq_len + 1) / 2
@@ -245,8 +265,11 @@ def run_prefill(args, device: torch.device) -> dict:
             fresh_compiles()  # dense recompiles in its warm-up
             pairs["compiled"] = (dense_compiled, torch.compile(model, fullgraph=True), ids["uniform"])
         for kind, (reference, stem, x) in pairs.items():
+            fns = [partial(reference, x), partial(stem, x)]
+            if kind != "compiled":  # and the other `fused_table_lookup` than the default, in the same rounds
+                fns.append(partial(with_lookup, model, not fuses, x))
             with torch.inference_mode():
-                reference_s, stem_s = paired_s([partial(reference, x), partial(stem, x)], args.repeats, device)
+                reference_s, stem_s, *other_s = paired_s(fns, args.repeats, device)
             dense_times[kind] += reference_s
             dense_ms, stem_ms = statistics.median(reference_s) * 1e3, statistics.median(stem_s) * 1e3
             key = "ms" if kind == "compiled" else "resident_ms"
@@ -255,6 +278,15 @@ def run_prefill(args, device: torch.device) -> dict:
                 key: round(stem_ms, 3),
                 "speedup": round(dense_ms / stem_ms, 3),
             }
+            if other_s:
+                other_ms = statistics.median(other_s[0]) * 1e3
+                fused_ms, unfused_ms = (stem_ms, other_ms) if fuses else (other_ms, stem_ms)
+                row[kind].update(
+                    fused_lookup=fuses,
+                    other_lookup_ms=round(other_ms, 3),
+                    other_lookup_speedup=round(dense_ms / other_ms, 3),
+                    fused_over_unfused=round(unfused_ms / fused_ms, 3),
+                )
         if spec != "1/3" and device.type != "cpu":
             to_host(model)
             for kind, x in ids.items():
@@ -369,6 +401,10 @@ def run_decode(args, device: torch.device) -> dict:
     context = args.prompt_len + args.new_tokens / 2
     runs = {"resident": per_batch(model)}
     logits = {"resident": last_logits(model, prompts), "resident_again": last_logits(model, prompts)}
+    other = "resident_unfused" if fuses_lookups_on(device) else "resident_fused"  # the other `fused_table_lookup`
+    with lookup(model, other == "resident_fused"):
+        runs[other] = per_batch(model)
+        logits[other] = last_logits(model, prompts)
     if compiled:
         fresh_compiles()
         runs["static_compiled"] = per_batch(model, **compiled)
@@ -379,7 +415,10 @@ def run_decode(args, device: torch.device) -> dict:
         with StemOffloadEngine(model, cache_tokens=4096, device=device).attach():
             runs["engine"] = per_batch(model)
             logits["engine"] = last_logits(model, prompts)
-    out = {"predicted_speedup": round(predicted(model.config, context), 3)}
+    out = {
+        "predicted_speedup": round(predicted(model.config, context), 3),
+        "fused_lookup_by_default": other[9:] == "unfused",
+    }
     del model
     free()
     for b in batches:

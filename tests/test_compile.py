@@ -386,6 +386,11 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         for kind in ("uniform", "zipf", "compiled"):  # dense timed in turn with each STEM model: the ratio's own
             stem_ms = row[kind].get("resident_ms", row[kind].get("ms"))
             assert row[kind]["speedup"] == pytest.approx(row[kind]["dense_ms"] / stem_ms, rel=1e-2, abs=2e-3)
+        for kind in ("uniform", "zipf"):  # on the CPU the default does not fuse: the fused lookup is the other
+            timed = row[kind]
+            assert timed["fused_lookup"] is False and report["prefill"]["fused_lookup_by_default"] is False
+            expected = timed["resident_ms"] / timed["other_lookup_ms"]
+            assert timed["fused_over_unfused"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
     assert report["train"]["dense_compiled_adamw_ms"] > 0
     for spec in ("1/2", "full"):
         row = report["train"][spec]
@@ -402,6 +407,11 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         assert report["decode"][batch]["resident"]["same_tokens_across_runs"] is True
         assert report["decode"][batch]["resident"]["logits_max_diff_vs_resident"] == 0  # the same forward twice
         assert report["decode"][batch]["resident_logits_std"] > 0
+        fused = report["decode"][batch]["resident_fused"]  # bf16: the fused kernel rounds once, not twice
+        assert (
+            fused["step_ms"] > 0
+            and fused["logits_max_diff_vs_resident"] < report["decode"][batch]["resident_logits_std"]
+        )
 
 
 def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
