@@ -379,10 +379,21 @@ class StemDistinctRowsGrad(torch.autograd.Function):
 
 class StemLookup(NamedTuple):
     """Rows a STEM layer gathers inside its own kernel, `table[index]`: a table and the forward's ids, or the distinct
-    rows a forward moved to the accelerator and each position's place among them (`StemTableRows.lookup`)."""
+    rows a forward moved to the accelerator and each position's place among them (`StemTableRows.lookup`). With
+    `unique` and `inverse` (the forward's distinct ids, each position's place among them) the table's gradient is
+    sparse over `unique`, as `StemDistinctRowsGrad` gives it."""
 
     table: torch.Tensor
     index: torch.Tensor
+    unique: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+
+
+def gathered(lookup: StemLookup) -> torch.Tensor:
+    """The rows of `lookup`, gathered as the unfused path gathers them (with the same gradient)."""
+    if lookup.unique is not None:
+        return StemDistinctRowsGrad.apply(lookup.table, lookup.index, lookup.unique, lookup.inverse)
+    return nn.functional.embedding(lookup.index, lookup.table)
 
 
 def gated_lookup(gate: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -390,20 +401,63 @@ def gated_lookup(gate: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -
     return nn.functional.silu(gate) * nn.functional.embedding(index, table).to(gate.dtype)
 
 
-_FUSED_GATED_LOOKUP: Callable | None = None
+def gated_lookup_grads(
+    grad: torch.Tensor, gate: torch.Tensor, table: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_lookup`'s gradients, computed in float32: `gate`'s, and each position's row's (in `table`'s dtype, not
+    yet summed into the table's rows)."""
+    x, grad = gate.float(), grad.float()
+    sigmoid = torch.sigmoid(x)
+    rows = nn.functional.embedding(index, table).to(gate.dtype).float()
+    grad_gate = grad * rows * sigmoid * (1 + x * (1 - sigmoid))  # SiLU'(x) = sigmoid(x) (1 + x (1 - sigmoid(x)))
+    return grad_gate.to(gate.dtype), (grad * x * sigmoid).to(table.dtype)
+
+
+_COMPILED: dict[Callable, Callable] = {}
 _FUSES_ON: dict[torch.device, bool] = {}
 
 
-def fused_gated_lookup(gate: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`gated_lookup` as one kernel, compiled by inductor once for every shape: the rows are read where the product
-    is computed, never written as a `[tokens, d_ff]` tensor of their own, and the activation and the product are no
-    passes of their own. Traced as it is inside a compiled model, whose compile fuses it."""
+def _compiled(fn: Callable) -> Callable:
+    """`fn` compiled by inductor, once for every shape (and per dtype and device, as its guards ask)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _COMPILED[fn]
+
+
+class StemGatedLookup(torch.autograd.Function):
+    """`gated_lookup` with autograd: forward and backward each one compiled kernel, which saves `gate` only (the
+    unfused path keeps `SiLU(gate)` and the gathered rows too). The table's gradient sums the positions' into its rows
+    by embedding's own backward: sparse over the distinct rows where `unique` is given, else dense."""
+
+    @staticmethod
+    def forward(ctx, gate, table, index, unique, inverse):
+        ctx.save_for_backward(gate, table, index, unique, inverse)
+        ctx.table = table  # an input: the leaf itself, whose `stem_grad_rows` a sparse gradient sets
+        return _compiled(gated_lookup)(gate, table, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, table, index, unique, inverse = ctx.saved_tensors
+        grad_gate, grad_rows = _compiled(gated_lookup_grads)(grad, gate, table, index)
+        grad_table = None
+        if ctx.needs_input_grad[1] and unique is not None:
+            rows = torch.ops.aten.embedding_dense_backward(grad_rows, inverse, len(unique), -1, False)
+            grad_table = distinct_sparse_grad(ctx.table, unique, rows)
+        elif ctx.needs_input_grad[1]:
+            grad_table = torch.ops.aten.embedding_dense_backward(grad_rows, index, table.shape[0], -1, False)
+        return grad_gate if ctx.needs_input_grad[0] else None, grad_table, None, None, None
+
+
+def fused_gated_lookup(gate: torch.Tensor, lookup: StemLookup) -> torch.Tensor:
+    """`gated_lookup` of `lookup` as one kernel (`StemGatedLookup` under autograd), compiled by inductor: the rows are
+    read where the product is computed, never written as a `[tokens, d_ff]` tensor of their own, and the activation
+    and the product are no passes of their own. Traced as it is inside a compiled model, whose compile fuses it."""
+    table, index = lookup.table, lookup.index
     if torch.compiler.is_compiling():
         return gated_lookup(gate, table, index)
-    global _FUSED_GATED_LOOKUP
-    if _FUSED_GATED_LOOKUP is None:
-        _FUSED_GATED_LOOKUP = torch.compile(gated_lookup, dynamic=True, fullgraph=True)
-    return _FUSED_GATED_LOOKUP(gate, table, index)
+    if torch.is_grad_enabled() and (gate.requires_grad or table.requires_grad):
+        return StemGatedLookup.apply(gate, table, index, lookup.unique, lookup.inverse)
+    return _compiled(gated_lookup)(gate, table, index)
 
 
 def fuses_lookups_on(device: torch.device) -> bool:
@@ -450,25 +504,28 @@ class StemTableRows:
 
     def lookup(self, layer_idx: int) -> torch.Tensor | StemLookup:
         """Layer `layer_idx`'s rows as `self[layer_idx]` gives them or, where the layer gathers them inside its own
-        kernel (`fuses`), what to gather from: the table and the ids, or the rows moved from host memory and each
-        position's place among them."""
+        kernel (`fuses`), what to gather from: the table and the ids (with the distinct ids where the table's gradient
+        is sparse over them), or the rows moved from host memory and each position's place among them."""
         table = self.tables[str(layer_idx)]
         if table.weight.shape[0] == 0 or not self.fuses(table):
             return self[layer_idx]
         if not self.host_served(table):
             settle(table.weight)
+            if self.distinct_grad(table):
+                return StemLookup(table.weight, self.stem_input_ids, *self.distinct_here())
             return StemLookup(table.weight, self.stem_input_ids)
         return self.host_rows(layer_idx, gathered=False)
 
     def fuses(self, table: nn.Embedding) -> bool:
-        """Whether the layer gathers `table`'s rows inside its own kernel (`fused_gated_lookup`): without autograd
-        (inference, decoding), for a plain table, as `config.fused_table_lookup` says (None: where the ids are on a
-        device `fuses_lookups_on`)."""
-        if torch.is_grad_enabled() or type(table) is not StemTable:  # first: training stops here
+        """Whether the layer gathers `table`'s rows inside its own kernel (`fused_gated_lookup`), as
+        `config.fused_table_lookup` says (None: where the ids are on a device `fuses_lookups_on`): a plain table, in
+        inference and eager training (a compiled train step takes the model's own graph)."""
+        if type(table) is not StemTable or (torch.is_grad_enabled() and torch.compiler.is_compiling()):
             return False
         setting = self.tables.config.fused_table_lookup
         hooked = table._forward_hooks or table._forward_pre_hooks or hasattr(table, "_hf_hook")
-        if setting is False or hooked or table.weight.device.type == "meta":
+        usual = table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
+        if setting is False or hooked or not usual or table.weight.device.type == "meta":
             return False
         return setting or fuses_lookups_on(self.stem_input_ids.device)
 
@@ -791,8 +848,8 @@ class StemTableMLP(nn.Module):
         gate = self.gate_proj(x)
         if isinstance(rows, StemLookup):
             if self.fuses and rows.table.device == x.device:
-                return self.down_proj(fused_gated_lookup(gate, rows.table, rows.index))
-            rows = nn.functional.embedding(rows.index, rows.table)
+                return self.down_proj(fused_gated_lookup(gate, rows))
+            rows = gathered(rows)
         # Cast the gathered rows, never the table: tables may be stored in another dtype or live on another device.
         rows = rows.to(device=x.device, dtype=x.dtype)
         return self.down_proj(self.act_fn(gate) * rows)
@@ -1227,6 +1284,7 @@ __all__ = [
     "HOST_ROWS_AHEAD",
     "StemDistinctRowsGrad",
     "StemForCausalLM",
+    "StemGatedLookup",
     "StemHostRowsGrad",
     "StemLookup",
     "StemModel",
@@ -1243,6 +1301,8 @@ __all__ = [
     "fused_gated_lookup",
     "fuses_lookups_on",
     "gated_lookup",
+    "gated_lookup_grads",
+    "gathered",
     "settle",
     "xavier_normal_std",
 ]

@@ -308,7 +308,14 @@ def test_lookups_fuse_outside_autograd_for_plain_tables_as_the_config_says(monke
     assert all(isinstance(r, modeling_stem.StemLookup) for r in lookups)
     table = model.model.stem_tables[str(model.config.stem_layers[0])].weight
     assert lookups[0].table is table and lookups[0].index is ids  # the table itself: nothing gathered, nothing copied
-    assert all(isinstance(r, torch.Tensor) for r in _lookups(model, ids, grad=True))
+    assert lookups[0].unique is None
+    training = _lookups(model, ids, grad=True)  # dense table gradients: the table and the ids
+    assert all(isinstance(r, modeling_stem.StemLookup) and r.unique is None for r in training)
+    for t in model.model.stem_tables.values():
+        t.sparse = True
+    sparse = _lookups(model, ids, grad=True)[0]  # sparse ones: over the forward's distinct ids, as unfused
+    assert torch.equal(sparse.unique, ids.unique()) and torch.equal(sparse.unique[sparse.inverse], ids)
+    assert _lookups(model, ids)[0].unique is None  # without autograd, no distinct ids are needed
     hook = model.model.stem_tables[str(model.config.stem_layers[0])].register_forward_hook(lambda *args: None)
     assert isinstance(_lookups(model, ids)[0], torch.Tensor) and isinstance(_lookups(model, ids)[1], type(lookups[1]))
     hook.remove()
@@ -320,12 +327,18 @@ def test_lookups_fuse_outside_autograd_for_plain_tables_as_the_config_says(monke
     gelu = sensitive_model(hidden_act="gelu", table_dtype="float32")
     compiled = []
     monkeypatch.setattr(modeling_stem, "fused_gated_lookup", lambda *args: compiled.append(args))
-    with torch.no_grad():
-        expected = gelu(ids).logits
-        gelu.config.fused_table_lookup = True
-        assert isinstance(_lookups(gelu, ids)[0], modeling_stem.StemLookup)
-        torch.testing.assert_close(gelu(ids).logits, expected, rtol=0, atol=0)
-    assert compiled == []  # SiLU is what the fused kernel computes: a GELU layer gathers and goes on unfused
+    grads = []
+    for fused in (False, True):  # SiLU is what the fused kernel computes: a GELU layer gathers and goes on unfused
+        gelu.config.fused_table_lookup = fused
+        assert isinstance(_lookups(gelu, ids)[0], modeling_stem.StemLookup) is fused
+        with torch.no_grad():
+            grads.append([gelu(ids).logits])
+        gelu.zero_grad(set_to_none=True)
+        gelu(ids, labels=ids).loss.backward()
+        grads[-1] += [p.grad for p in gelu.parameters()]
+    assert compiled == []
+    for unfused, fused in zip(*grads, strict=True):
+        torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
 
 
 @pytest.mark.slow
@@ -364,6 +377,79 @@ def test_a_fused_lookup_is_one_kernel_with_the_gather_inside_and_gives_the_unfus
     if dtype == torch.float32:
         settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(fused.generate(ids, **settings), unfused.generate(ids, **settings))
+
+
+def _saved_rows_sized(model, ids) -> tuple[torch.Tensor, int]:
+    """A training forward's loss, and how many `[tokens, d_ff]`-sized tensors autograd saves for its backward."""
+    size, saved = ids.numel() * model.config.intermediate_size, []
+
+    def pack(tensor):
+        saved.append(tensor.numel() == size)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(ids, labels=ids).loss
+    return loss, sum(saved)
+
+
+@pytest.mark.slow
+def test_the_fused_lookups_backward_is_one_kernel_giving_autograds_gradients():
+    """`gated_lookup_grads` compiled: one kernel writes both gradients (the gate's, each position's row's), which are
+    autograd's of the plain expression (computed in float64 as the reference)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(0)
+    grad, gate, table = (torch.randn(shape, generator=g) for shape in ((2, 5, 16), (2, 5, 16), (9, 16)))
+    index = torch.randint(0, 9, (2, 5), generator=g)
+    torch._dynamo.reset()
+    (grad_gate, grad_rows), codes = run_and_get_code(
+        modeling_stem._compiled(modeling_stem.gated_lookup_grads), grad, gate, table, index
+    )
+    code = "\n".join(codes)
+    body = code[code.index("def call(") : code.index("return (", code.index("def call("))]
+    assert len(re.findall(r"^\s+(cpp_fused_\w+)\(", body, re.M)) == 1 and body.count("empty_strided") == 2, body
+    gate64, rows64 = gate.double().requires_grad_(), table.double()[index].requires_grad_()
+    (torch.nn.functional.silu(gate64) * rows64).backward(grad.double())
+    torch.testing.assert_close(grad_gate, gate64.grad.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_rows, rows64.grad.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tables", ["dense_grads", "sparse_grads", "host", "frozen"])
+def test_a_fused_lookup_trains_as_the_unfused_one_and_saves_less_for_the_backward(monkeypatch, tables):
+    """Under autograd the fused lookup (`StemGatedLookup`: forward and backward each one compiled kernel) gives the
+    unfused loss and gradients, for resident tables with dense and with sparse gradients (over the forward's distinct
+    rows, as unfused, the weight keeping their indices), rows moved from host memory (here on the CPU) and frozen
+    tables; and autograd keeps fewer `[tokens, d_ff]` tensors per STEM layer for the backward (`gate` only)."""
+    if tables == "host":
+        monkeypatch.setattr(modeling_stem.StemTableRows, "host_served", lambda self, table: True)
+    models = [sensitive_model(table_dtype="float32", fused_table_lookup=fused).train() for fused in (False, True)]
+    ids = _ids(7)
+    grads, saved = [], []
+    for model in models:
+        for table in model.model.stem_tables.values():
+            table.sparse = tables == "sparse_grads"
+            table.weight.requires_grad_(tables != "frozen")
+        loss, count = _saved_rows_sized(model, ids)
+        loss.backward()
+        saved.append(count)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        grads[-1]["loss"] = loss.detach()
+    unfused, fused = grads
+    assert unfused.keys() == fused.keys() and ("model.stem_tables.1.weight" in fused) is (tables != "frozen")
+    for name, grad in unfused.items():
+        got = fused[name]
+        assert got.is_sparse is grad.is_sparse, name
+        got, grad = (got.to_dense(), grad.to_dense()) if grad.is_sparse else (got, grad)
+        torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6, msg=name)
+    if tables == "sparse_grads":
+        for table in models[1].model.stem_tables.values():
+            assert table.weight.grad._indices().data_ptr() == table.weight.stem_grad_rows.data_ptr()
+    # Unfused, the product keeps SiLU(gate) for the rows' gradient (none for frozen tables) and the rows for the gate's.
+    per_layer = 1 if tables == "frozen" else 2
+    assert saved[0] - saved[1] == per_layer * len(models[0].config.stem_layers), saved
 
 
 @pytest.mark.slow
