@@ -418,10 +418,23 @@ _FUSES_ON: dict[torch.device, bool] = {}
 
 
 def _compiled(fn: Callable) -> Callable:
-    """`fn` compiled by inductor, once for every shape (and per dtype and device, as its guards ask)."""
+    """`fn` compiled by inductor, once for every shape (and per dtype and device, as its guards ask). Not
+    `fullgraph`: where dynamo cannot take the frame (under a user's torch dispatch mode, such as `FlopCounterMode`)
+    it runs eager."""
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
     return _COMPILED[fn]
+
+
+def _run_compiled(fn: Callable, *args) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`fn(*args)` compiled; where inductor cannot build it on this machine (no working compiler or Triton), `fn`
+    as it is, from then on, with a warning."""
+    try:
+        return _compiled(fn)(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        logger.warning_once(f"fused_table_lookup: inductor cannot compile {fn.__name__}, which runs eager: {error}")
+        _COMPILED[fn] = fn
+        return fn(*args)
 
 
 class StemGatedLookup(torch.autograd.Function):
@@ -433,12 +446,12 @@ class StemGatedLookup(torch.autograd.Function):
     def forward(ctx, gate, table, index, unique, inverse):
         ctx.save_for_backward(gate, table, index, unique, inverse)
         ctx.table = table  # an input: the leaf itself, whose `stem_grad_rows` a sparse gradient sets
-        return _compiled(gated_lookup)(gate, table, index)
+        return _run_compiled(gated_lookup, gate, table, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, table, index, unique, inverse = ctx.saved_tensors
-        grad_gate, grad_rows = _compiled(gated_lookup_grads)(grad, gate, table, index)
+        grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate, table, index)
         grad_table = None
         if ctx.needs_input_grad[1] and unique is not None:
             rows = torch.ops.aten.embedding_dense_backward(grad_rows, inverse, len(unique), -1, False)
@@ -457,7 +470,7 @@ def fused_gated_lookup(gate: torch.Tensor, lookup: StemLookup) -> torch.Tensor:
         return gated_lookup(gate, table, index)
     if torch.is_grad_enabled() and (gate.requires_grad or table.requires_grad):
         return StemGatedLookup.apply(gate, table, index, lookup.unique, lookup.inverse)
-    return _compiled(gated_lookup)(gate, table, index)
+    return _run_compiled(gated_lookup, gate, table, index)
 
 
 def fuses_lookups_on(device: torch.device) -> bool:

@@ -92,8 +92,9 @@ def test_the_host_sync_counter_counts_reads_and_data_sized_outputs_and_restores_
     assert torch.Tensor.tolist is original
 
 
-def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense():
-    model = sensitive_model()
+@pytest.mark.parametrize("fused", [None, True])
+def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense(fused):
+    model = sensitive_model(fused_table_lookup=fused)
     config = {k: v for k, v in TINY.items()}
     dense = LlamaForCausalLM(LlamaConfig(**config)).eval()
     ids = _ids(2, (1, 6))
@@ -110,8 +111,8 @@ def _syncs_per_train_step(model, batches: list[torch.Tensor], optimizer) -> tupl
     return [s.count for s in steps], sum((s.by_op for s in steps), Counter())
 
 
-@pytest.mark.parametrize("vocab_size", [96, 4096])
-def test_a_train_step_with_tables_on_an_accelerator_syncs_per_forward_not_per_table(monkeypatch, vocab_size):
+@pytest.mark.parametrize(("vocab_size", "fused"), [(96, None), (4096, None), (4096, True)])
+def test_a_train_step_with_tables_on_an_accelerator_syncs_per_forward_not_per_table(monkeypatch, vocab_size, fused):
     """Resident tables with sparse gradients and clipping (StemTrainer's defaults), three of them: a step syncs as
     often as dense's plus twice, for the forward's id check (dense Llama has none) and its distinct ids; the gradients
     are taken as they come (no coalesce, no check of their rows) and the row update reads nothing back, but the count
@@ -123,7 +124,9 @@ def test_a_train_step_with_tables_on_an_accelerator_syncs_per_forward_not_per_ta
     monkeypatch.setattr(training, "_in_host_memory", lambda param: False)
     monkeypatch.setattr(training, "compiles_rows_by_default", lambda device: False)
     batches = [_ids(seed % 3, (2, 24)).clamp(max=vocab_size - 1) for seed in range(12)]  # the same rows come back
-    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], vocab_size=vocab_size).train()
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], vocab_size=vocab_size)
+    model.config.fused_table_lookup = fused  # True: the fused lookup, its sparse gradient over the same distinct ids
+    model.train()
     use_sparse_table_grads(model)
     optimizer = RowSparseAdamW(param_groups(model, 1e-2, row_sparse_tables=True))
     stem, ops = _syncs_per_train_step(model, batches, optimizer)
@@ -390,6 +393,29 @@ def _saved_rows_sized(model, ids) -> tuple[torch.Tensor, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(ids, labels=ids).loss
     return loss, sum(saved)
+
+
+@pytest.mark.slow
+def test_a_fused_lookup_inductor_cannot_build_runs_eager_with_a_warning(monkeypatch, caplog):
+    """A machine where inductor cannot build the kernel (here: no working C++ compiler) gets the unfused numbers and
+    a warning, not an error; a torch dispatch mode (which dynamo cannot compile under) runs the function eager."""
+    import logging
+
+    import torch._inductor.config as inductor_config
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, ids = sensitive_model(table_dtype="float32", fused_table_lookup=True), _ids(8)
+    with torch.no_grad():
+        expected = sensitive_model(table_dtype="float32")(ids).logits
+        with FlopCounterMode(display=False) as flops:
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-6)
+        assert flops.get_total_flops() > 0
+        monkeypatch.setattr(modeling_stem, "_COMPILED", {})
+        torch._dynamo.reset()
+        with caplog.at_level(logging.WARNING), inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-6)
+    assert modeling_stem._COMPILED[modeling_stem.gated_lookup] is modeling_stem.gated_lookup
+    assert "inductor cannot compile gated_lookup" in caplog.text
 
 
 @pytest.mark.slow
