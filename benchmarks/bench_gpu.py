@@ -138,11 +138,14 @@ def prefill(model, ids: torch.Tensor, repeats: int, device: torch.device) -> flo
 
 
 def train_step_s(
-    model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False
+    model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False, peaks=None
 ) -> float:
     """A train step: forward and loss, backward, the optimizer's step; with `compiled`, forward and backward through
-    `torch.compile(model, fullgraph=True)` (the optimizer's step eager)."""
+    `torch.compile(model, fullgraph=True)` (the optimizer's step eager). On CUDA, `peaks` (a list) gets the steps'
+    peak of allocated device memory."""
     model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     forward = model
     if compiled:
         fresh_compiles()
@@ -154,6 +157,8 @@ def train_step_s(
         optimizer.step()
 
     seconds = median_s(step, repeats, device)
+    if peaks is not None and device.type == "cuda":
+        peaks.append(torch.cuda.max_memory_allocated(device))
     optimizer.zero_grad(set_to_none=True)
     model.eval()
     return seconds
@@ -325,6 +330,8 @@ def run_train(args, device: torch.device) -> dict:
         del adamw  # it holds dense's weights and state
     del dense
     free()
+    fuses = fuses_lookups_on(device)  # what `fused_table_lookup=None`, the default, does here
+    out["fused_lookup_by_default"] = fuses
     for spec in tqdm(("1/2", "full"), desc="train"):
         model = build(args.shape, spec, device, getattr(torch, args.dtype))
         row = {"predicted_speedup": round(predicted(model.config, (args.seq_len + 1) / 2), 3)}
@@ -341,8 +348,16 @@ def run_train(args, device: torch.device) -> dict:
         row["row_sparse_adamw"]["speedup"] = round(dense_rs * 1e3 / row["row_sparse_adamw"]["ms"], 3)
         if args.compile or device.type == "cuda":  # the resident rows by one compiled function (compiled in warm-up)
             compiled_rows = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True), compiled_rows=True)
-            ms = round(train_step_s(model, ids, args.repeats, device, compiled_rows) * 1e3, 3)
-            row["row_sparse_adamw_compiled_rows"] = {"ms": ms, "speedup": round(dense_rs * 1e3 / ms, 3)}
+            peaks = []
+            ms = round(train_step_s(model, ids, args.repeats, device, compiled_rows, peaks=peaks) * 1e3, 3)
+            timed = row["row_sparse_adamw_compiled_rows"] = {"ms": ms, "speedup": round(dense_rs * 1e3 / ms, 3)}
+            with lookup(model, not fuses):  # the other `fused_table_lookup` than the default, the same step
+                other = round(train_step_s(model, ids, args.repeats, device, compiled_rows, peaks=peaks) * 1e3, 3)
+            timed.update(fused_lookup=fuses, other_lookup_ms=other)
+            timed["other_lookup_speedup"] = round(dense_rs * 1e3 / other, 3)
+            timed["fused_over_unfused"] = round(other / ms if fuses else ms / other, 3)
+            if peaks:  # CUDA: what the fused lookup's backward keeps (gate only) shows in the step's peak
+                timed["peak_mib"], timed["other_lookup_peak_mib"] = (round(p / 2**20, 1) for p in peaks)
             del compiled_rows
         if spec == "1/2" and device.type != "cpu":
             to_host(model)

@@ -151,10 +151,11 @@ class StemConfig(PreTrainedConfig):
         keep_tables_on_cpu: when the model is moved to an accelerator (`.to("cuda")`, `device_map`), tables stay in
             host memory and each forward moves only the rows of the batch's distinct tokens. Set it to False to train
             with DDP or FSDP, which want every parameter on the accelerator.
-        fused_table_lookup: whether a STEM layer, outside autograd (inference, decoding), gathers its table rows
-            inside the kernel that computes `SiLU(gate) * rows` (compiled by inductor once), so the `[tokens, d_ff]`
-            rows are never a tensor of their own. `None` (the default): on CUDA where Triton is installed; `True`:
-            on any device (inductor compiles for the CPU too); `False`: never. Numbers equal to rounding.
+        fused_table_lookup: whether a STEM layer gathers its table rows inside the kernel that computes
+            `SiLU(gate) * rows` (compiled by inductor once; under autograd its backward too, keeping only `gate`), so
+            the `[tokens, d_ff]` rows are never a tensor of their own. `None` (the default): on CUDA where Triton is
+            installed; `True`: on any device (inductor compiles for the CPU too); `False`: never. Numbers equal to
+            rounding.
 
     The other fields mean what they mean in `LlamaConfig`.
 
