@@ -154,8 +154,8 @@ class StemConfig(PreTrainedConfig):
         fused_table_lookup: whether a STEM layer gathers its table rows inside the kernel that computes
             `SiLU(gate) * rows` (compiled by inductor once; under autograd its backward too, keeping only `gate`), so
             the `[tokens, d_ff]` rows are never a tensor of their own. `None` (the default): on CUDA where Triton is
-            installed; `True`: on any device (inductor compiles for the CPU too); `False`: never. Numbers equal to
-            rounding.
+            installed, for forwards of at least 128 tokens (`FUSED_LOOKUP_MIN_TOKENS`); `True`: on any device
+            (inductor compiles for the CPU too), always; `False`: never. Numbers equal to rounding.
 
     The other fields mean what they mean in `LlamaConfig`.
 

@@ -415,6 +415,9 @@ def gated_lookup_grads(
 
 _COMPILED: dict[Callable, Callable] = {}
 _FUSES_ON: dict[torch.device, bool] = {}
+# Under `fused_table_lookup=None`, forwards of fewer tokens (decoding steps) take the unfused path: they are bound by
+# kernel launches, not by memory, and a token count of 1 would be a compile of its own.
+FUSED_LOOKUP_MIN_TOKENS = 128
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -446,12 +449,12 @@ class StemGatedLookup(torch.autograd.Function):
     def forward(ctx, gate, table, index, unique, inverse):
         ctx.save_for_backward(gate, table, index, unique, inverse)
         ctx.table = table  # an input: the leaf itself, whose `stem_grad_rows` a sparse gradient sets
-        return _run_compiled(gated_lookup, gate, table, index)
+        return _run_compiled(gated_lookup, gate.detach(), table.detach(), index)  # one variant: no grad flags
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, table, index, unique, inverse = ctx.saved_tensors
-        grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate, table, index)
+        grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate.detach(), table.detach(), index)
         grad_table = None
         if ctx.needs_input_grad[1] and unique is not None:
             rows = torch.ops.aten.embedding_dense_backward(grad_rows, inverse, len(unique), -1, False)
@@ -468,9 +471,12 @@ def fused_gated_lookup(gate: torch.Tensor, lookup: StemLookup) -> torch.Tensor:
     table, index = lookup.table, lookup.index
     if torch.compiler.is_compiling():
         return gated_lookup(gate, table, index)
+    # One token axis: the batch's and the sequence's sizes would each be a shape the compile specializes (size 1).
+    flat, positions = gate.reshape(-1, gate.shape[-1]), index.reshape(-1)
     if torch.is_grad_enabled() and (gate.requires_grad or table.requires_grad):
-        return StemGatedLookup.apply(gate, table, index, lookup.unique, lookup.inverse)
-    return _run_compiled(gated_lookup, gate, table, index)
+        inverse = None if lookup.inverse is None else lookup.inverse.reshape(-1)
+        return StemGatedLookup.apply(flat, table, positions, lookup.unique, inverse).view(gate.shape)
+    return _run_compiled(gated_lookup, flat.detach(), table.detach(), positions).view(gate.shape)
 
 
 def fuses_lookups_on(device: torch.device) -> bool:
@@ -531,8 +537,9 @@ class StemTableRows:
 
     def fuses(self, table: nn.Embedding) -> bool:
         """Whether the layer gathers `table`'s rows inside its own kernel (`fused_gated_lookup`), as
-        `config.fused_table_lookup` says (None: where the ids are on a device `fuses_lookups_on`): a plain table, in
-        inference and eager training (a compiled train step takes the model's own graph)."""
+        `config.fused_table_lookup` says (None: where the ids are on a device `fuses_lookups_on`, for forwards of at
+        least `FUSED_LOOKUP_MIN_TOKENS` tokens): a plain table, in inference and eager training (a compiled train step
+        takes the model's own graph)."""
         if type(table) is not StemTable or (torch.is_grad_enabled() and torch.compiler.is_compiling()):
             return False
         setting = self.tables.config.fused_table_lookup
@@ -540,7 +547,10 @@ class StemTableRows:
         usual = table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
         if setting is False or hooked or not usual or table.weight.device.type == "meta":
             return False
-        return setting or fuses_lookups_on(self.stem_input_ids.device)
+        if setting is None:
+            ids = self.stem_input_ids
+            return ids.numel() >= FUSED_LOOKUP_MIN_TOKENS and fuses_lookups_on(ids.device)
+        return True
 
     def distinct_grad(self, table: nn.Embedding) -> bool:
         """Whether a table on the ids' device gets its sparse gradient over the distinct ids (`StemDistinctRowsGrad`):
@@ -1294,6 +1304,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
 
 
 __all__ = [
+    "FUSED_LOOKUP_MIN_TOKENS",
     "HOST_ROWS_AHEAD",
     "StemDistinctRowsGrad",
     "StemForCausalLM",

@@ -322,6 +322,12 @@ def test_lookups_fuse_outside_autograd_for_plain_tables_as_the_config_says(monke
     hook = model.model.stem_tables[str(model.config.stem_layers[0])].register_forward_hook(lambda *args: None)
     assert isinstance(_lookups(model, ids)[0], torch.Tensor) and isinstance(_lookups(model, ids)[1], type(lookups[1]))
     hook.remove()
+    model.config.fused_table_lookup = None  # where the default fuses: forwards of FUSED_LOOKUP_MIN_TOKENS tokens on
+    monkeypatch.setattr(modeling_stem, "fuses_lookups_on", lambda device: True)
+    long = _ids(5, (2, modeling_stem.FUSED_LOOKUP_MIN_TOKENS // 2))
+    assert isinstance(_lookups(model, long)[0], modeling_stem.StemLookup)
+    assert isinstance(_lookups(model, long[:, :-1])[0], torch.Tensor)  # one token fewer: unfused (a decoding step)
+    monkeypatch.undo()
     model.config.fused_table_lookup = False
     assert all(isinstance(r, torch.Tensor) for r in _lookups(model, ids))
     for bad in ("no", 1, 0):

@@ -557,3 +557,45 @@ def test_clipping_and_the_row_update_of_resident_cuda_tables_make_no_host_sync()
             torch.cuda.set_sync_debug_mode("default")
     state = optimizer.state[model.model.stem_tables["1"].weight]
     assert state["exp_avg"].shape[0] == 96
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_the_fused_lookup_is_the_cuda_default_and_gives_the_unfused_logits_tokens_and_gradients(monkeypatch, resident):
+    """On CUDA `fused_table_lookup=None` fuses forwards of `FUSED_LOOKUP_MIN_TOKENS` tokens or more (inductor writes
+    the Triton kernel), for resident tables and for rows moved from host memory: fp32 logits, greedy tokens and a
+    train step's gradients (sparse table gradients) equal the unfused model's; a bf16 dense part's logits too, to
+    bf16 rounding."""
+    import stem_hf.modeling_stem as modeling
+
+    assert modeling.fuses_lookups_on(CUDA)  # Triton comes with torch's CUDA builds
+    run, fused_calls = modeling._run_compiled, []
+    monkeypatch.setattr(modeling, "_run_compiled", lambda fn, *args: fused_calls.append(fn.__name__) or run(fn, *args))
+    ids = _ids((4, 32), seed=4).to(CUDA)  # FUSED_LOOKUP_MIN_TOKENS: decoding steps after this prompt are unfused
+    assert ids.numel() >= modeling.FUSED_LOOKUP_MIN_TOKENS
+    models, outputs = [], []
+    for fused in (None, False):
+        torch.manual_seed(0)
+        model = sensitive_model(table_dtype="float32", fused_table_lookup=fused, keep_tables_on_cpu=not resident)
+        model.to(CUDA)
+        assert all((t.weight.device.type == "cuda") is resident for t in model.model.stem_tables.values())
+        fused_calls.clear()
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        model.train()
+        for table in model.model.stem_tables.values():
+            table.sparse = True
+        model(ids, labels=ids).loss.backward()
+        calls = set(fused_calls)
+        assert calls == ({"gated_lookup", "gated_lookup_grads"} if fused is None else set()), calls
+        grads = {n: p.grad.to_dense() if p.grad.is_sparse else p.grad for n, p in model.named_parameters()}
+        outputs.append((logits, tokens, grads))
+        models.append(model)
+    (logits, tokens, grads), (logits_u, tokens_u, grads_u) = outputs
+    _assert_close(logits, logits_u, FP32_TOL)
+    assert torch.equal(tokens, tokens_u)
+    for name, grad in grads_u.items():
+        _assert_close(grads[name], grad, FP32_TOL)
+    with torch.no_grad():
+        bf16 = [m.eval().to(torch.bfloat16)(ids).logits for m in models]  # the tables stay float32
+    _assert_close(bf16[0], bf16[1], BF16_TOL)
