@@ -138,14 +138,11 @@ def prefill(model, ids: torch.Tensor, repeats: int, device: torch.device) -> flo
 
 
 def train_step_s(
-    model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False, peaks=None
+    model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False
 ) -> float:
     """A train step: forward and loss, backward, the optimizer's step; with `compiled`, forward and backward through
-    `torch.compile(model, fullgraph=True)` (the optimizer's step eager). On CUDA, `peaks` (a list) gets the steps'
-    peak of allocated device memory."""
+    `torch.compile(model, fullgraph=True)` (the optimizer's step eager)."""
     model.train()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     forward = model
     if compiled:
         fresh_compiles()
@@ -157,11 +154,42 @@ def train_step_s(
         optimizer.step()
 
     seconds = median_s(step, repeats, device)
-    if peaks is not None and device.type == "cuda":
-        peaks.append(torch.cuda.max_memory_allocated(device))
     optimizer.zero_grad(set_to_none=True)
     model.eval()
     return seconds
+
+
+def lookup_step(model, ids: torch.Tensor, optimizer, fused: bool) -> None:
+    """One eager train step with `fused_table_lookup` set to `fused`."""
+    with lookup(model, fused):
+        optimizer.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+
+
+def paired_train_s(model, ids: torch.Tensor, args, device: torch.device, optimizer, fuses: bool) -> list[float]:
+    """Median seconds of a train step with `fused_table_lookup` as the default resolves it here (`fuses`) and with
+    the other setting, timed in turn round by round."""
+    model.train()
+    steps = [partial(lookup_step, model, ids, optimizer, fused) for fused in (fuses, not fuses)]
+    times = paired_s(steps, args.repeats, device)
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return [statistics.median(t) for t in times]
+
+
+def step_peak(model, ids: torch.Tensor, device: torch.device, optimizer, fused: bool) -> int:
+    """Peak allocated CUDA memory over one train step with `fused_table_lookup=fused`, from what is held before it."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    lookup_step(model, ids, optimizer, fused)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return peak
 
 
 class StepClock:
@@ -348,16 +376,15 @@ def run_train(args, device: torch.device) -> dict:
         row["row_sparse_adamw"]["speedup"] = round(dense_rs * 1e3 / row["row_sparse_adamw"]["ms"], 3)
         if args.compile or device.type == "cuda":  # the resident rows by one compiled function (compiled in warm-up)
             compiled_rows = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True), compiled_rows=True)
-            peaks = []
-            ms = round(train_step_s(model, ids, args.repeats, device, compiled_rows, peaks=peaks) * 1e3, 3)
+            # With the default `fused_table_lookup` and the other, in turn round by round (`paired_s`).
+            ms, other = (round(t * 1e3, 3) for t in paired_train_s(model, ids, args, device, compiled_rows, fuses))
             timed = row["row_sparse_adamw_compiled_rows"] = {"ms": ms, "speedup": round(dense_rs * 1e3 / ms, 3)}
-            with lookup(model, not fuses):  # the other `fused_table_lookup` than the default, the same step
-                other = round(train_step_s(model, ids, args.repeats, device, compiled_rows, peaks=peaks) * 1e3, 3)
             timed.update(fused_lookup=fuses, other_lookup_ms=other)
             timed["other_lookup_speedup"] = round(dense_rs * 1e3 / other, 3)
             timed["fused_over_unfused"] = round(other / ms if fuses else ms / other, 3)
-            if peaks:  # CUDA: what the fused lookup's backward keeps (gate only) shows in the step's peak
-                timed["peak_mib"], timed["other_lookup_peak_mib"] = (round(p / 2**20, 1) for p in peaks)
+            if device.type == "cuda":  # what the fused lookup's backward keeps (gate only) shows in a step's peak
+                for key, fused in (("peak_mib", fuses), ("other_lookup_peak_mib", not fuses)):
+                    timed[key] = round(step_peak(model, ids, device, compiled_rows, fused) / 2**20, 1)
             del compiled_rows
         if spec == "1/2" and device.type != "cpu":
             to_host(model)

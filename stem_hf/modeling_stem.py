@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -292,18 +293,23 @@ def distinct_sparse_grad(weight: torch.Tensor, unique: torch.Tensor, rows: torch
 
 
 def copies_grad_behind(weight: torch.Tensor) -> bool:
-    """Whether a host table's gradient may cross from the accelerator while the backward goes on (`_copy_grad_behind`):
-    whether nothing reads it before the backward ends. Not where it is added to a gradient already there (autograd adds
-    at once), where the weight has a gradient hook, or under torch.distributed, whose wrappers hook a gradient's
+    """Whether a host table's sparse gradient may cross from the accelerator while the backward goes on
+    (`_copy_grad_behind`): whether nothing reads it before the backward ends. Not where autograd adds it to another
+    gradient at once (one already there: accumulation; another of this backward still crossing: the table used twice),
+    where the weight has a gradient hook, where the backward builds a graph of its own (`create_graph`: autograd clones
+    the gradient) or checks each output (anomaly mode), or under torch.distributed, whose wrappers hook a gradient's
     accumulation where no hook shows on the weight."""
     hooked = weight._backward_hooks or weight._post_accumulate_grad_hooks
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return weight.grad is None and not hooked and not distributed
+    crossing = weight.__dict__.get("stem_grad_crossing", False)
+    unusual = torch.is_grad_enabled() or torch.is_anomaly_enabled() or distributed
+    return weight.grad is None and not crossing and not hooked and not unusual
 
 
-def _copy_grad_behind(host: torch.Tensor, grad: torch.Tensor) -> None:
+def _copy_grad_behind(weight: torch.Tensor, host: torch.Tensor, grad: torch.Tensor) -> None:
     """Copies `grad` (CUDA) into pinned `host` on a side stream, so the backward's next kernels run while it crosses;
-    the backward does not return before it has arrived (a callback at its end waits for the copy's event)."""
+    the backward does not return before it has arrived (a callback at its end waits for the copy's event). Until then
+    `weight` is marked `stem_grad_crossing`: another gradient of it in this backward is copied blocking, after this."""
     device = grad.device
     if device not in _GRAD_COPY_STREAMS:
         _GRAD_COPY_STREAMS[device] = torch.cuda.Stream(device)
@@ -314,7 +320,13 @@ def _copy_grad_behind(host: torch.Tensor, grad: torch.Tensor) -> None:
         arrived = torch.cuda.Event()
         arrived.record(stream)
     grad.record_stream(stream)  # freed on the main stream while the side one may still read it
-    torch.autograd.Variable._execution_engine.queue_callback(arrived.synchronize)
+    weight.stem_grad_crossing = True
+
+    def arrive() -> None:
+        arrived.synchronize()
+        weight.__dict__.pop("stem_grad_crossing", None)
+
+    torch.autograd.Variable._execution_engine.queue_callback(arrive)
 
 
 def _settle_grad_copies(device: torch.device) -> None:
@@ -345,8 +357,8 @@ class StemHostRowsGrad(torch.autograd.Function):
             # Into pinned memory: a DMA at the link's speed, where a pageable one is staged by the driver.
             cuda = grad.device.type == "cuda"
             host = torch.empty(grad.shape, dtype=grad.dtype, device=unique.device, pin_memory=cuda)
-            if cuda and copies_grad_behind(ctx.weight):
-                _copy_grad_behind(host, grad)
+            if cuda and ctx.sparse and copies_grad_behind(ctx.weight):  # a dense one is scattered at once, below
+                _copy_grad_behind(ctx.weight, host, grad)
                 grad = host
             else:  # blocking, so autograd never sees the host gradient before its bytes have arrived
                 if cuda:
@@ -413,30 +425,32 @@ def gated_lookup_grads(
     return grad_gate.to(gate.dtype), (grad * x * sigmoid).to(table.dtype)
 
 
-_COMPILED: dict[Callable, Callable] = {}
+_COMPILED: dict[tuple[Callable, str], Callable] = {}
 _FUSES_ON: dict[torch.device, bool] = {}
 # Under `fused_table_lookup=None`, forwards of fewer tokens (decoding steps) take the unfused path: they are bound by
 # kernel launches, not by memory, and a token count of 1 would be a compile of its own.
 FUSED_LOOKUP_MIN_TOKENS = 128
 
 
-def _compiled(fn: Callable) -> Callable:
-    """`fn` compiled by inductor, once for every shape (and per dtype and device, as its guards ask). Not
-    `fullgraph`: where dynamo cannot take the frame (under a user's torch dispatch mode, such as `FlopCounterMode`)
-    it runs eager."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+def _compiled(fn: Callable, device_type: str) -> Callable:
+    """`fn` compiled by inductor for `device_type`, once for every shape (and per dtype and device, as its guards
+    ask). Not `fullgraph`: where dynamo cannot take the frame (under a user's torch dispatch mode, such as
+    `FlopCounterMode`) it runs eager."""
+    if (fn, device_type) not in _COMPILED:
+        _COMPILED[fn, device_type] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn, device_type]
 
 
-def _run_compiled(fn: Callable, *args) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """`fn(*args)` compiled; where inductor cannot build it on this machine (no working compiler or Triton), `fn`
-    as it is, from then on, with a warning."""
+def _run_compiled(fn: Callable, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`fn(*args)` compiled; where inductor cannot build it for this device type on this machine (no working
+    compiler or Triton), `fn` as it is, from then on, with a warning."""
+    device_type = args[0].device.type
     try:
-        return _compiled(fn)(*args)
+        return _compiled(fn, device_type)(*args)
     except torch._dynamo.exc.BackendCompilerFailed as error:
-        logger.warning_once(f"fused_table_lookup: inductor cannot compile {fn.__name__}, which runs eager: {error}")
-        _COMPILED[fn] = fn
+        where = f"{fn.__name__} for {device_type}"
+        logger.warning_once(f"fused_table_lookup: inductor cannot compile {where}, which runs eager: {error}")
+        _COMPILED[fn, device_type] = fn
         return fn(*args)
 
 
@@ -447,14 +461,18 @@ class StemGatedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, table, index, unique, inverse):
-        ctx.save_for_backward(gate, table, index, unique, inverse)
-        ctx.table = table  # an input: the leaf itself, whose `stem_grad_rows` a sparse gradient sets
+        # A table (a leaf) stays an attribute, as `StemDistinctRowsGrad` keeps it: saved, saved-tensor hooks (offloading
+        # activations) would copy the whole table. Rows moved from host memory are an activation: saved.
+        ctx.table = table if table.is_leaf else None
+        ctx.save_for_backward(gate, None if table.is_leaf else table, index, unique, inverse)
         return _run_compiled(gated_lookup, gate.detach(), table.detach(), index)  # one variant: no grad flags
 
     @staticmethod
+    @once_differentiable  # its kernels take detached inputs: a second derivative raises rather than drop terms
     def backward(ctx, grad: torch.Tensor):
         gate, table, index, unique, inverse = ctx.saved_tensors
-        grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate.detach(), table.detach(), index)
+        table = ctx.table if table is None else table
+        grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate, table.detach(), index)
         grad_table = None
         if ctx.needs_input_grad[1] and unique is not None:
             rows = torch.ops.aten.embedding_dense_backward(grad_rows, inverse, len(unique), -1, False)
@@ -930,11 +948,13 @@ class StemDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
-        if self.is_stem:  # the model's own rows may be gathered inside the layer's kernel (`StemTableRows.lookup`)
-            own = type(stem_rows) is StemTableRows
-            hidden_states = self.mlp(
-                hidden_states, stem_rows.lookup(self.layer_idx) if own else stem_rows[self.layer_idx]
-            )
+        if self.is_stem:
+            # The model's own rows may be gathered inside the MLP's kernel (`StemTableRows.lookup`), where the MLP is
+            # this file's and nothing hooks it: a replaced MLP (healing's blend) or a hook reading it wants rows.
+            mlp = self.mlp
+            plain = type(mlp) is StemTableMLP and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+            own = plain and type(stem_rows) is StemTableRows
+            hidden_states = mlp(hidden_states, stem_rows.lookup(self.layer_idx) if own else stem_rows[self.layer_idx])
         else:
             hidden_states = self.mlp(hidden_states)
         return residual + hidden_states

@@ -738,11 +738,13 @@ def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
 
 
 def rows_with_gradient(values: torch.Tensor) -> torch.Tensor:
-    """Which rows of a 2-D host gradient hold a value other than zero (NaN counts), as `values.ne(0).any(1)` says.
+    """Which rows of a 2-D gradient hold a value other than zero (NaN counts), as `values.ne(0).any(1)` says.
     A row's first value settles most rows: a gradient row rarely has a zero there, and a row without gradient always
     does. Only rows with a zero first value are read whole, not the gradient's every byte (a host step's own pass)."""
     if values.shape[1] == 0:
         return torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    if values.device.type != "cpu":  # picking the unsure rows would be a host sync on an accelerator
+        return torch.linalg.vector_norm(values, 0, dim=1) > 0
     moved = values[:, 0] != 0
     unsure = (~moved).nonzero().squeeze(1)
     if 2 * len(unsure) > len(moved):  # mostly rows without gradient (a dense table gradient): one pass, no copy

@@ -299,10 +299,24 @@ def _lookups(model, ids, grad: bool = False) -> list:
         return [rows.lookup(layer) for layer in model.config.stem_layers]
 
 
-def test_lookups_fuse_outside_autograd_for_plain_tables_as_the_config_says(monkeypatch):
-    """`fused_table_lookup`: None (the default) fuses on CUDA with Triton only, True anywhere, False never; never
-    under autograd (training keeps its own gradients' paths) or for a hooked table. A layer whose activation is not
-    SiLU gathers a lookup's rows itself, with the unfused logits."""
+class _RecordingMLP(torch.nn.Module):
+    """An MLP put in a STEM layer's place (as healing's blend is): records what it is handed, then runs the one it
+    replaced."""
+
+    def __init__(self, inner, seen: list):
+        super().__init__()
+        self.inner, self.seen = inner, seen
+
+    def forward(self, x, rows):
+        self.seen.append((type(self).__name__, type(rows).__name__))
+        return self.inner(x, rows)
+
+
+def test_lookups_fuse_for_plain_tables_and_mlps_as_the_config_says(monkeypatch):
+    """`fused_table_lookup`: None (the default) fuses on CUDA with Triton for forwards of `FUSED_LOOKUP_MIN_TOKENS`
+    tokens or more, True anywhere, False never; under autograd with the distinct ids a sparse table gradient needs;
+    not for a hooked table, and a hooked or replaced MLP is handed rows. A layer whose activation is not SiLU gathers
+    a lookup's rows itself, with the unfused logits and gradients."""
     model, ids = sensitive_model(table_dtype="float32"), _ids(5)
     assert not modeling_stem.fuses_lookups_on(torch.device("cpu")) and model.config.fused_table_lookup is None
     assert all(isinstance(r, torch.Tensor) for r in _lookups(model, ids))  # the default, on the CPU
@@ -328,6 +342,16 @@ def test_lookups_fuse_outside_autograd_for_plain_tables_as_the_config_says(monke
     assert isinstance(_lookups(model, long)[0], modeling_stem.StemLookup)
     assert isinstance(_lookups(model, long[:, :-1])[0], torch.Tensor)  # one token fewer: unfused (a decoding step)
     monkeypatch.undo()
+    model.config.fused_table_lookup = True
+    seen = []  # what the MLPs are handed in a forward: a hooked MLP and a replaced one want rows
+    record = lambda module, args: seen.append((type(module).__name__, type(args[1]).__name__))  # noqa: E731
+    hook = model.model.layers[1].mlp.register_forward_pre_hook(record)
+    model.model.layers[3].mlp = _RecordingMLP(model.model.layers[3].mlp, seen)
+    with torch.no_grad():
+        model(ids)
+    assert seen == [("StemTableMLP", "Tensor"), ("_RecordingMLP", "Tensor")], seen
+    hook.remove()
+    model.model.layers[3].mlp = model.model.layers[3].mlp.inner
     model.config.fused_table_lookup = False
     assert all(isinstance(r, torch.Tensor) for r in _lookups(model, ids))
     for bad in ("no", 1, 0):
@@ -420,8 +444,8 @@ def test_a_fused_lookup_inductor_cannot_build_runs_eager_with_a_warning(monkeypa
         torch._dynamo.reset()
         with caplog.at_level(logging.WARNING), inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
             torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-6)
-    assert modeling_stem._COMPILED[modeling_stem.gated_lookup] is modeling_stem.gated_lookup
-    assert "inductor cannot compile gated_lookup" in caplog.text
+    assert modeling_stem._COMPILED[modeling_stem.gated_lookup, "cpu"] is modeling_stem.gated_lookup
+    assert "inductor cannot compile gated_lookup for cpu" in caplog.text
 
 
 @pytest.mark.slow
@@ -437,7 +461,7 @@ def test_the_fused_lookups_backward_is_one_kernel_giving_autograds_gradients():
     index = torch.randint(0, 9, (2, 5), generator=g)
     torch._dynamo.reset()
     (grad_gate, grad_rows), codes = run_and_get_code(
-        modeling_stem._compiled(modeling_stem.gated_lookup_grads), grad, gate, table, index
+        modeling_stem._compiled(modeling_stem.gated_lookup_grads, "cpu"), grad, gate, table, index
     )
     code = "\n".join(codes)
     body = code[code.index("def call(") : code.index("return (", code.index("def call("))]
@@ -483,6 +507,11 @@ def test_a_fused_lookup_trains_as_the_unfused_one_and_saves_less_for_the_backwar
             torch.testing.assert_close(got, grad, rtol=0, atol=2e-2 * grad.abs().max().item(), msg=name)
         else:
             torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6, msg=name)
+    if tables == "dense_grads":  # its backward's kernels take detached inputs: a second derivative is refused
+        gate = models[1].model.layers[1].mlp.gate_proj.weight
+        first = torch.autograd.grad(models[1](ids, labels=ids).loss, gate, create_graph=True)[0]
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            first.sum().backward()
     if tables.startswith("sparse_grads"):
         for table in models[1].model.stem_tables.values():
             assert table.weight.grad._indices().data_ptr() == table.weight.stem_grad_rows.data_ptr()

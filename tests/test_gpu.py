@@ -150,8 +150,9 @@ def test_host_rows_come_ahead_from_the_worker_and_train_with_sparse_gradients_on
 def test_host_table_gradients_cross_behind_the_backward_yet_arrive_before_it_returns(monkeypatch, sparse):
     """A host table's gradient is copied on a side stream while the backward goes on; the backward returns only once
     it has arrived (the copies are held back here by a sleep on that stream, so a backward that did not wait would
-    hand over unfilled memory). A gradient added to one already there (accumulation) and a table with a gradient
-    hook get blocking copies. Every gradient equals that of blocking copies throughout."""
+    hand over unfilled memory). A gradient added to one already there (accumulation), a dense one (scattered at once)
+    and a table with a gradient hook get blocking copies. Every gradient equals that of blocking copies throughout,
+    and so do those of a loss over two forwards (each table used twice in one backward: the second copy waits)."""
     import stem_hf.modeling_stem as modeling
 
     behind, crossed = modeling._copy_grad_behind, []
@@ -182,8 +183,14 @@ def test_host_table_gradients_cross_behind_the_backward_yet_arrive_before_it_ret
             crossed.clear()
             model(ids, labels=ids).loss.backward()
             grads.append([t.weight.grad.to_dense() + 0 for t in tables] + [hooked[-1]])
-            if copies_behind:  # the hooked table and every added gradient waited; the rest crossed behind
-                assert len(crossed) == (2 if ids is batches[0] else 0)
+            if copies_behind:  # the hooked table, every added gradient and dense ones waited; the rest crossed behind
+                assert len(crossed) == (2 if ids is batches[0] and sparse else 0)
+        model.zero_grad(set_to_none=True)
+        crossed.clear()
+        (model(batches[0], labels=batches[0]).loss + model(batches[1], labels=batches[1]).loss).backward()
+        grads.append([t.weight.grad.to_dense() + 0 for t in tables] + [hooked[-1]])
+        if copies_behind:
+            assert len(crossed) == (2 if sparse else 0)  # one use of each unhooked table; the other use waited
         monkeypatch.undo()
         runs.append(grads)
     for behind_grads, blocking_grads in zip(*runs, strict=True):

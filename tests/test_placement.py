@@ -107,17 +107,25 @@ def _host_served(monkeypatch) -> list[tuple[int, str]]:
 
 
 def test_a_host_table_gradient_crosses_behind_the_backward_only_where_nothing_reads_it_before_the_backward_ends():
-    """From CUDA a host table's gradient is copied while the backward goes on (test_gpu holds the copies back and
-    checks they arrive): not where autograd adds it to a gradient already there or a hook reads it in the backward."""
+    """From CUDA a host table's sparse gradient is copied while the backward goes on (test_gpu holds the copies back
+    and checks they arrive): not where autograd adds it to another gradient at once or anything reads it in the
+    backward."""
     weight = StemTable(5, 3).weight
-    assert copies_grad_behind(weight)
-    for register in (weight.register_hook, weight.register_post_accumulate_grad_hook):
-        hook = register(lambda x: None)
-        assert not copies_grad_behind(weight)
-        hook.remove()
+    assert not copies_grad_behind(weight)  # grad mode on: a backward with `create_graph` clones the gradient at once
+    with torch.no_grad():  # as a backward runs its nodes
         assert copies_grad_behind(weight)
-    weight.grad = torch.zeros_like(weight)
-    assert not copies_grad_behind(weight)
+        for register in (weight.register_hook, weight.register_post_accumulate_grad_hook):
+            hook = register(lambda x: None)
+            assert not copies_grad_behind(weight)
+            hook.remove()
+            assert copies_grad_behind(weight)
+        weight.stem_grad_crossing = True  # one of this backward still crossing: autograd would add to it at once
+        assert not copies_grad_behind(weight)
+        del weight.stem_grad_crossing
+        with torch.autograd.detect_anomaly():  # reads each node's outputs as they come
+            assert not copies_grad_behind(weight)
+        weight.grad = torch.zeros_like(weight)
+        assert not copies_grad_behind(weight)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
