@@ -28,9 +28,9 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, LogitsPro
 from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.accounting import flops_per_token
 from stem_hf.cli_args import int_at_least, positive_int
-from stem_hf.modeling_stem import fuses_lookups_on
+from stem_hf.modeling_stem import FUSED_LOOKUP_MIN_TOKENS, fuses_lookups_on
 from stem_hf.offload import StemOffloadEngine
-from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
+from stem_hf.training import RowSparseAdamW, copy_table_grads_behind, param_groups, use_sparse_table_grads
 
 SHAPES = {
     "0.75b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16),
@@ -179,7 +179,8 @@ def paired_train_s(model, ids: torch.Tensor, args, device: torch.device, optimiz
 
 
 def step_peak(model, ids: torch.Tensor, device: torch.device, optimizer, fused: bool) -> int:
-    """Peak allocated CUDA memory over one train step with `fused_table_lookup=fused`, from what is held before it."""
+    """Peak allocated CUDA memory during one train step with `fused_table_lookup=fused` (everything allocated then,
+    the model and the optimizer's state included)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sync(device)
@@ -230,6 +231,11 @@ def lookup(model, fused: bool):
         yield model
     finally:
         model.config.fused_table_lookup = setting
+
+
+def default_fuses(args, device: torch.device) -> bool:
+    """What `fused_table_lookup=None`, the default, does for a forward of `--batch-size` x `--seq-len` here."""
+    return fuses_lookups_on(device) and args.batch_size * args.seq_len >= FUSED_LOOKUP_MIN_TOKENS
 
 
 def with_lookup(model, fused: bool, *args):
@@ -287,7 +293,7 @@ def run_prefill(args, device: torch.device) -> dict:
     dense = build(args.shape, None, device, dtype)
     dense_compiled = torch.compile(dense, fullgraph=True) if args.compile else None
     out, dense_times = {"dense_ms": {}}, {"uniform": [], "zipf": [], "compiled": []}
-    fuses = fuses_lookups_on(device)  # what `fused_table_lookup=None`, the default, does here
+    fuses = default_fuses(args, device)
     out["fused_lookup_by_default"] = fuses
     for spec in tqdm(SPECS, desc="prefill"):
         model = build(args.shape, spec, device, dtype)
@@ -358,7 +364,7 @@ def run_train(args, device: torch.device) -> dict:
         del adamw  # it holds dense's weights and state
     del dense
     free()
-    fuses = fuses_lookups_on(device)  # what `fused_table_lookup=None`, the default, does here
+    fuses = default_fuses(args, device)
     out["fused_lookup_by_default"] = fuses
     for spec in tqdm(("1/2", "full"), desc="train"):
         model = build(args.shape, spec, device, getattr(torch, args.dtype))
@@ -388,6 +394,7 @@ def run_train(args, device: torch.device) -> dict:
             del compiled_rows
         if spec == "1/2" and device.type != "cpu":
             to_host(model)
+            copy_table_grads_behind(model)  # as StemTrainer marks them for the model's own loss
             # StemTrainer's default over host tables: rows fetched ahead, row gradients back to a host optimizer.
             host_sparse = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True))
             host_rs = train_step_s(model, ids, args.repeats, device, host_sparse)
@@ -408,6 +415,7 @@ def run_train(args, device: torch.device) -> dict:
             }
             del host_sparse, behind
         use_sparse_table_grads(model, enable=False)
+        copy_table_grads_behind(model, enable=False)
         if spec == "1/2" and device.type != "cpu":
             host = train_step_s(model, ids, args.repeats, device, torch.optim.AdamW(model.parameters(), lr=1e-5))
             # torch's AdamW over host tables: dense [vocab, d_ff] gradients on the host, no foreach (two devices).

@@ -19,7 +19,6 @@ from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -294,14 +293,19 @@ def distinct_sparse_grad(weight: torch.Tensor, unique: torch.Tensor, rows: torch
 
 def copies_grad_behind(weight: torch.Tensor) -> bool:
     """Whether a host table's sparse gradient may cross from the accelerator while the backward goes on
-    (`_copy_grad_behind`): whether nothing reads it before the backward ends. Not where autograd adds it to another
-    gradient at once (one already there: accumulation; another of this backward still crossing: the table used twice),
-    where the weight has a gradient hook, where the backward builds a graph of its own (`create_graph`: autograd clones
-    the gradient) or checks each output (anomaly mode), or under torch.distributed, whose wrappers hook a gradient's
-    accumulation where no hook shows on the weight."""
+    (`_copy_grad_behind`): whether nothing reads it before the backward ends. Only for a weight marked
+    `stem_grad_copies_behind` (`stem_hf.training.copy_table_grads_behind`, which `StemTrainer` calls for a loss that is
+    the model's own): a term of a loss on the weight itself would be added to it at once. Not where autograd adds it
+    to another gradient at once (one already there: accumulation; another of this backward still crossing: the table
+    used twice), where the weight has a gradient hook, where the backward builds a graph of its own (`create_graph`:
+    autograd clones the gradient) or checks each output (anomaly mode), or under torch.distributed, whose wrappers hook
+    a gradient's accumulation where no hook shows on the weight."""
+    if not weight.__dict__.get("stem_grad_copies_behind", False):
+        return False
     hooked = weight._backward_hooks or weight._post_accumulate_grad_hooks
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    crossing = weight.__dict__.get("stem_grad_crossing", False)
+    # The mark of a copy of this backward still crossing (a backward that raised never clears its own: it is stale)
+    crossing = weight.__dict__.get("stem_grad_crossing") == torch._C._current_graph_task_id()
     unusual = torch.is_grad_enabled() or torch.is_anomaly_enabled() or distributed
     return weight.grad is None and not crossing and not hooked and not unusual
 
@@ -309,7 +313,8 @@ def copies_grad_behind(weight: torch.Tensor) -> bool:
 def _copy_grad_behind(weight: torch.Tensor, host: torch.Tensor, grad: torch.Tensor) -> None:
     """Copies `grad` (CUDA) into pinned `host` on a side stream, so the backward's next kernels run while it crosses;
     the backward does not return before it has arrived (a callback at its end waits for the copy's event). Until then
-    `weight` is marked `stem_grad_crossing`: another gradient of it in this backward is copied blocking, after this."""
+    `weight` is marked `stem_grad_crossing` with the backward's graph task: another gradient of it in this backward is
+    copied blocking, after this one."""
     device = grad.device
     if device not in _GRAD_COPY_STREAMS:
         _GRAD_COPY_STREAMS[device] = torch.cuda.Stream(device)
@@ -320,11 +325,12 @@ def _copy_grad_behind(weight: torch.Tensor, host: torch.Tensor, grad: torch.Tens
         arrived = torch.cuda.Event()
         arrived.record(stream)
     grad.record_stream(stream)  # freed on the main stream while the side one may still read it
-    weight.stem_grad_crossing = True
+    task = weight.stem_grad_crossing = torch._C._current_graph_task_id()
 
     def arrive() -> None:
         arrived.synchronize()
-        weight.__dict__.pop("stem_grad_crossing", None)
+        if weight.__dict__.get("stem_grad_crossing") == task:
+            del weight.stem_grad_crossing
 
     torch.autograd.Variable._execution_engine.queue_callback(arrive)
 
@@ -461,22 +467,30 @@ class StemGatedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, table, index, unique, inverse):
-        # A table (a leaf) stays an attribute, as `StemDistinctRowsGrad` keeps it: saved, saved-tensor hooks (offloading
-        # activations) would copy the whole table. Rows moved from host memory are an activation: saved.
-        ctx.table = table if table.is_leaf else None
-        ctx.save_for_backward(gate, None if table.is_leaf else table, index, unique, inverse)
+        # A table (a parameter) stays an attribute, as `StemDistinctRowsGrad` keeps it: saved, saved-tensor hooks
+        # (offloading activations) would copy the whole table. Anything else (rows moved from host memory) is saved.
+        parameter = isinstance(table, nn.Parameter)
+        ctx.table, ctx.version = (table, table._version) if parameter else (None, None)
+        ctx.save_for_backward(gate, None if parameter else table, index, unique, inverse)
         return _run_compiled(gated_lookup, gate.detach(), table.detach(), index)  # one variant: no grad flags
 
     @staticmethod
-    @once_differentiable  # its kernels take detached inputs: a second derivative raises rather than drop terms
     def backward(ctx, grad: torch.Tensor):
         gate, table, index, unique, inverse = ctx.saved_tensors
-        table = ctx.table if table is None else table
-        grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate, table.detach(), index)
+        if table is None:
+            table = ctx.table
+            if table._version != ctx.version:  # what saving it would have caught
+                raise RuntimeError(
+                    "a STEM table was modified in place between the forward and the backward of its fused lookup"
+                )
+        if torch.is_grad_enabled():  # create_graph: differentiable operations, so second derivatives keep every term
+            grad_gate, grad_rows = gated_lookup_grads(grad, gate, table, index)
+        else:
+            grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate, table.detach(), index)
         grad_table = None
         if ctx.needs_input_grad[1] and unique is not None:
             rows = torch.ops.aten.embedding_dense_backward(grad_rows, inverse, len(unique), -1, False)
-            grad_table = distinct_sparse_grad(ctx.table, unique, rows)
+            grad_table = distinct_sparse_grad(table, unique, rows)
         elif ctx.needs_input_grad[1]:
             grad_table = torch.ops.aten.embedding_dense_backward(grad_rows, index, table.shape[0], -1, False)
         return grad_gate if ctx.needs_input_grad[0] else None, grad_table, None, None, None
@@ -952,7 +966,8 @@ class StemDecoderLayer(GradientCheckpointingLayer):
             # The model's own rows may be gathered inside the MLP's kernel (`StemTableRows.lookup`), where the MLP is
             # this file's and nothing hooks it: a replaced MLP (healing's blend) or a hook reading it wants rows.
             mlp = self.mlp
-            plain = type(mlp) is StemTableMLP and not (mlp._forward_hooks or mlp._forward_pre_hooks)
+            hooked = mlp._forward_hooks or mlp._forward_pre_hooks or hasattr(mlp, "_hf_hook")
+            plain = type(mlp) is StemTableMLP and not hooked
             own = plain and type(stem_rows) is StemTableRows
             hidden_states = mlp(hidden_states, stem_rows.lookup(self.layer_idx) if own else stem_rows[self.layer_idx])
         else:

@@ -723,6 +723,17 @@ def stem_tables(model: nn.Module) -> list[nn.Embedding]:
     return [m for n, m in model.named_modules() if isinstance(m, StemTable) and TABLE_KEY.search(f"{n}.weight")]
 
 
+def copy_table_grads_behind(model: nn.Module, enable: bool = True) -> None:
+    """Lets the sparse gradients of `model`'s tables in host memory cross from CUDA while the backward goes on
+    (`modeling_stem.copies_grad_behind`), or stops it. Only where nothing but the model's own lookups gives a table a
+    gradient in a backward: a loss term on a table's weight would be added to a gradient still crossing."""
+    for table in stem_tables(model):
+        if enable:
+            table.weight.stem_grad_copies_behind = True
+        else:
+            table.weight.__dict__.pop("stem_grad_copies_behind", None)
+
+
 def use_sparse_table_grads(model: nn.Module, enable: bool = True) -> None:
     """Makes every table's gradient sparse: the batch's rows only, instead of a dense `[vocab, d_ff]` tensor that
     backward fills and the optimizer reads however few rows the batch touched. Needs an optimizer and clipping that
@@ -968,6 +979,10 @@ class StemTrainer(Trainer):
                 if isinstance(module, StemTables):
                     module.upcast_trainable()  # what model.train() does; sparse gradients need it first
         use_sparse_table_grads(self.model, enable=self.sparse_table_grads)
+        # The loss is the model's own (no compute_loss of a subclass, no compute_loss_func): nothing else gives a table
+        # a gradient, so host tables' gradients may cross behind the backward.
+        own_loss = type(self).compute_loss is StemTrainer.compute_loss and self.compute_loss_func is None
+        copy_table_grads_behind(self.model, enable=self.sparse_table_grads and own_loss)
         try:
             result = super().train(*args, **kwargs)
         except BaseException:
@@ -978,6 +993,7 @@ class StemTrainer(Trainer):
             self._settle_tables()  # the tables are final when train() returns
             return result
         finally:
+            copy_table_grads_behind(self.model, enable=False)
             for table, sparse in zip(tables, before, strict=True):
                 table.sparse = sparse
 
@@ -1076,6 +1092,7 @@ __all__ = [
     "check_paper_arguments",
     "check_recipe",
     "clip_grad_norm",
+    "copy_table_grads_behind",
     "compiles_rows_by_default",
     "lora_config",
     "param_groups",

@@ -507,11 +507,24 @@ def test_a_fused_lookup_trains_as_the_unfused_one_and_saves_less_for_the_backwar
             torch.testing.assert_close(got, grad, rtol=0, atol=2e-2 * grad.abs().max().item(), msg=name)
         else:
             torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6, msg=name)
-    if tables == "dense_grads":  # its backward's kernels take detached inputs: a second derivative is refused
-        gate = models[1].model.layers[1].mlp.gate_proj.weight
-        first = torch.autograd.grad(models[1](ids, labels=ids).loss, gate, create_graph=True)[0]
-        with pytest.raises(RuntimeError, match="once_differentiable"):
-            first.sum().backward()
+    if tables == "dense_grads":  # a second derivative (create_graph): the fused backward's every term, as eager
+        g = torch.Generator().manual_seed(1)
+        table = torch.nn.Parameter(torch.randn(9, 16, generator=g))
+        index, seconds = torch.randint(0, 9, (2, 5), generator=g), []
+        for fused in (False, True):
+            gate = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+            plain = modeling_stem.gated_lookup
+            out = modeling_stem.fused_gated_lookup(gate, modeling_stem.StemLookup(table, index)) if fused else None
+            out = plain(gate, table, index) if out is None else out
+            first = torch.autograd.grad(out.square().sum(), (gate, table), create_graph=True)
+            seconds.append(torch.autograd.grad(sum(f.square().sum() for f in first), (gate, table)))
+        for got, expected in zip(seconds[1], seconds[0], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        loss = models[1](ids, labels=ids).loss  # the table, kept unsaved, is still checked for in-place writes
+        with torch.no_grad():
+            models[1].model.stem_tables["1"].weight.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            loss.backward()
     if tables.startswith("sparse_grads"):
         for table in models[1].model.stem_tables.values():
             assert table.weight.grad._indices().data_ptr() == table.weight.stem_grad_rows.data_ptr()

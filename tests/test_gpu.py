@@ -154,15 +154,16 @@ def test_host_table_gradients_cross_behind_the_backward_yet_arrive_before_it_ret
     and a table with a gradient hook get blocking copies. Every gradient equals that of blocking copies throughout,
     and so do those of a loss over two forwards (each table used twice in one backward: the second copy waits)."""
     import stem_hf.modeling_stem as modeling
+    from stem_hf.training import copy_table_grads_behind
 
     behind, crossed = modeling._copy_grad_behind, []
 
-    def held_back(host, grad):
+    def held_back(weight, host, grad):
         stream = modeling._GRAD_COPY_STREAMS.setdefault(grad.device, torch.cuda.Stream(grad.device))
         with torch.cuda.stream(stream):
             torch.cuda._sleep(50_000_000)  # tens of milliseconds before the copy starts
         crossed.append(grad.shape)
-        behind(host, grad)
+        behind(weight, host, grad)
 
     batches = [_ids((2, 12), seed=seed).to(CUDA) for seed in (0, 1)]
     runs = []
@@ -172,6 +173,7 @@ def test_host_table_gradients_cross_behind_the_backward_yet_arrive_before_it_ret
         tables = list(model.model.stem_tables.values())
         for table in tables:
             table.sparse = sparse
+        copy_table_grads_behind(model)  # as StemTrainer marks them for the model's own loss
         hooked = []
         tables[0].weight.register_post_accumulate_grad_hook(lambda w, seen=hooked: seen.append(w.grad.to_dense() + 0))
         if copies_behind:

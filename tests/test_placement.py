@@ -111,16 +111,24 @@ def test_a_host_table_gradient_crosses_behind_the_backward_only_where_nothing_re
     and checks they arrive): not where autograd adds it to another gradient at once or anything reads it in the
     backward."""
     weight = StemTable(5, 3).weight
-    assert not copies_grad_behind(weight)  # grad mode on: a backward with `create_graph` clones the gradient at once
     with torch.no_grad():  # as a backward runs its nodes
+        assert not copies_grad_behind(weight)  # not marked (`copy_table_grads_behind`: StemTrainer's own loss)
+        weight.stem_grad_copies_behind = True
+        assert copies_grad_behind(weight)
+    assert not copies_grad_behind(weight)  # grad mode on: a backward with `create_graph` clones the gradient at once
+    with torch.no_grad():
         assert copies_grad_behind(weight)
         for register in (weight.register_hook, weight.register_post_accumulate_grad_hook):
             hook = register(lambda x: None)
             assert not copies_grad_behind(weight)
             hook.remove()
             assert copies_grad_behind(weight)
-        weight.stem_grad_crossing = True  # one of this backward still crossing: autograd would add to it at once
+        # One of this backward still crossing (marked with its graph task: outside a backward, -1): autograd would
+        # add to it at once. A stale mark, of a backward that raised before its end, does not count.
+        weight.stem_grad_crossing = torch._C._current_graph_task_id()
         assert not copies_grad_behind(weight)
+        weight.stem_grad_crossing = 12345
+        assert copies_grad_behind(weight)
         del weight.stem_grad_crossing
         with torch.autograd.detect_anomaly():  # reads each node's outputs as they come
             assert not copies_grad_behind(weight)

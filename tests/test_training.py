@@ -777,6 +777,34 @@ def test_stem_trainer_with_sparse_table_grads_accumulates_like_a_full_batch(tmp_
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("own_loss", [True, False])
+def test_stem_trainer_lets_host_gradients_cross_behind_only_for_the_model_s_own_loss(tmp_path, own_loss):
+    """While StemTrainer trains with sparse table gradients and the model's own loss, the tables are marked for their
+    gradients to cross from CUDA behind the backward (`copy_table_grads_behind`); a subclass's compute_loss (which
+    might add a term on a table's weight) leaves them unmarked, and train() unmarks them when it returns."""
+    from transformers import TrainerCallback
+
+    class Marks(TrainerCallback):
+        seen = []
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            tables = model.model.stem_tables.values()
+            self.seen.append({t.weight.__dict__.get("stem_grad_copies_behind", False) for t in tables})
+
+    class OwnLoss(StemTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            return super().compute_loss(model, inputs, **kwargs)
+
+    model = _stem()
+    trainer = (StemTrainer if own_loss else OwnLoss)(
+        model=model, args=_args(tmp_path, max_steps=2), train_dataset=_dataset(4), callbacks=[Marks()]
+    )
+    assert trainer.sparse_table_grads
+    trainer.train()
+    assert Marks.seen == [{own_loss}] * 2
+    assert not any("stem_grad_copies_behind" in t.weight.__dict__ for t in model.model.stem_tables.values())
+
+
 def test_bad_optimizer_settings_are_clear_errors():
     with pytest.raises(ValueError, match="bad lr"):
         RowSparseAdamW([torch.nn.Parameter(torch.zeros(2, 2))], lr=-1.0)
