@@ -147,24 +147,23 @@ def train_step_s(
     if compiled:
         fresh_compiles()
         forward = torch.compile(model, fullgraph=True)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        forward(ids, labels=ids).loss.backward()
-        optimizer.step()
-
-    seconds = median_s(step, repeats, device)
+    seconds = median_s(partial(one_step, forward, ids, optimizer), repeats, device)
     optimizer.zero_grad(set_to_none=True)
     model.eval()
     return seconds
 
 
+def one_step(forward, ids: torch.Tensor, optimizer) -> None:
+    """One train step: forward and loss, backward, the optimizer's step."""
+    optimizer.zero_grad(set_to_none=True)
+    forward(ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
 def lookup_step(model, ids: torch.Tensor, optimizer, fused: bool) -> None:
     """One eager train step with `fused_table_lookup` set to `fused`."""
     with lookup(model, fused):
-        optimizer.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
+        one_step(model, ids, optimizer)
 
 
 def paired_train_s(model, ids: torch.Tensor, args, device: torch.device, optimizer, fuses: bool) -> list[float]:
@@ -451,8 +450,9 @@ def run_decode(args, device: torch.device) -> dict:
     context = args.prompt_len + args.new_tokens / 2
     runs = {"resident": per_batch(model)}
     logits = {"resident": last_logits(model, prompts), "resident_again": last_logits(model, prompts)}
-    other = "resident_unfused" if fuses_lookups_on(device) else "resident_fused"  # the other `fused_table_lookup`
-    with lookup(model, other == "resident_fused"):
+    fuses = fuses_lookups_on(device)  # the prompts' prefills; decoding steps of fewer than 128 tokens never fuse
+    other = "resident_unfused" if fuses else "resident_fused"  # the other `fused_table_lookup`
+    with lookup(model, not fuses):
         runs[other] = per_batch(model)
         logits[other] = last_logits(model, prompts)
     if compiled:
@@ -467,7 +467,7 @@ def run_decode(args, device: torch.device) -> dict:
             logits["engine"] = last_logits(model, prompts)
     out = {
         "predicted_speedup": round(predicted(model.config, context), 3),
-        "fused_lookup_by_default": other[9:] == "unfused",
+        "fused_lookup_by_default": fuses,
     }
     del model
     free()

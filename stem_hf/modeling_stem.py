@@ -262,6 +262,13 @@ _COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 _GRAD_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
+def _side_stream(streams: dict, device: torch.device) -> "torch.cuda.Stream":
+    """`device`'s stream in `streams`, made the first time it is asked for."""
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
 def _row_worker() -> ThreadPoolExecutor:
     global _ROW_WORKER
     if _ROW_WORKER is None:
@@ -279,6 +286,17 @@ def _forget_row_worker() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_row_worker)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether something reads or replaces `module`'s forward: its own hooks, or an accelerate hook (which replaces
+    `forward` itself)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+
+
+def _usual(table: nn.Embedding) -> bool:
+    """A lookup with none of `nn.Embedding`'s options that change rows or their gradient."""
+    return table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
 
 
 def distinct_sparse_grad(weight: torch.Tensor, unique: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -316,9 +334,7 @@ def _copy_grad_behind(weight: torch.Tensor, host: torch.Tensor, grad: torch.Tens
     `weight` is marked `stem_grad_crossing` with the backward's graph task: another gradient of it in this backward is
     copied blocking, after this one."""
     device = grad.device
-    if device not in _GRAD_COPY_STREAMS:
-        _GRAD_COPY_STREAMS[device] = torch.cuda.Stream(device)
-    stream = _GRAD_COPY_STREAMS[device]
+    stream = _side_stream(_GRAD_COPY_STREAMS, device)
     stream.wait_stream(torch.cuda.current_stream(device))  # the gradient is made on the main stream
     with torch.cuda.stream(stream):
         host.copy_(grad, non_blocking=True)
@@ -341,6 +357,16 @@ def _settle_grad_copies(device: torch.device) -> None:
     stream = _GRAD_COPY_STREAMS.get(device)
     if stream is not None:
         stream.synchronize()
+
+
+def distinct_rows_grad(
+    weight: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """`weight`'s sparse gradient from each position's row gradient `grad`, summed into the distinct rows `unique`
+    (`inverse`: each position's place among them) by embedding's own backward: deterministic on CUDA (sorted, no
+    atomics), no host sync."""
+    rows = torch.ops.aten.embedding_dense_backward(grad, inverse, len(unique), -1, False)
+    return distinct_sparse_grad(weight, unique, rows)
 
 
 class StemHostRowsGrad(torch.autograd.Function):
@@ -390,9 +416,7 @@ class StemDistinctRowsGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         unique, inverse = ctx.saved_tensors
-        # embedding's own backward over the distinct rows: deterministic on CUDA (sorted, no atomics), no host sync
-        rows = torch.ops.aten.embedding_dense_backward(grad, inverse, len(unique), -1, False)
-        return distinct_sparse_grad(ctx.weight, unique, rows), None, None, None
+        return distinct_rows_grad(ctx.weight, unique, inverse, grad), None, None, None
 
 
 class StemLookup(NamedTuple):
@@ -489,8 +513,7 @@ class StemGatedLookup(torch.autograd.Function):
             grad_gate, grad_rows = _run_compiled(gated_lookup_grads, grad, gate, table.detach(), index)
         grad_table = None
         if ctx.needs_input_grad[1] and unique is not None:
-            rows = torch.ops.aten.embedding_dense_backward(grad_rows, inverse, len(unique), -1, False)
-            grad_table = distinct_sparse_grad(table, unique, rows)
+            grad_table = distinct_rows_grad(table, unique, inverse, grad_rows)
         elif ctx.needs_input_grad[1]:
             grad_table = torch.ops.aten.embedding_dense_backward(grad_rows, index, table.shape[0], -1, False)
         return grad_gate if ctx.needs_input_grad[0] else None, grad_table, None, None, None
@@ -513,8 +536,9 @@ def fused_gated_lookup(gate: torch.Tensor, lookup: StemLookup) -> torch.Tensor:
 
 def fuses_lookups_on(device: torch.device) -> bool:
     """Whether `config.fused_table_lookup=None` (the default) fuses on `device`: CUDA where Triton, which inductor
-    writes its kernels in, is installed and the GPU is one it supports (compute capability 7.0 or newer)."""
-    if device.type != "cuda":
+    writes its kernels in, is installed and the GPU is one it supports (compute capability 7.0 or newer). Also where
+    `RowSparseAdamW(compiled_rows=None)` compiles its row update."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     if device not in _FUSES_ON:
         triton = importlib.util.find_spec("triton") is not None
@@ -575,9 +599,7 @@ class StemTableRows:
         if type(table) is not StemTable or (torch.is_grad_enabled() and torch.compiler.is_compiling()):
             return False
         setting = self.tables.config.fused_table_lookup
-        hooked = table._forward_hooks or table._forward_pre_hooks or hasattr(table, "_hf_hook")
-        usual = table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
-        if setting is False or hooked or not usual or table.weight.device.type == "meta":
+        if setting is False or _hooked(table) or not _usual(table) or table.weight.device.type == "meta":
             return False
         if setting is None:
             ids = self.stem_input_ids
@@ -590,12 +612,10 @@ class StemTableRows:
         accelerate hook replaces `forward` itself, and brings a meta weight in there); a freed table raises there."""
         if not torch.is_grad_enabled() or type(table) is not StemTable:  # first: inference and decoding stop here
             return False
-        hooked = table._forward_hooks or table._forward_pre_hooks or hasattr(table, "_hf_hook")
-        if hooked or table.weight.device.type == "meta" or table.weight.shape[0] == 0:
+        if _hooked(table) or table.weight.device.type == "meta" or table.weight.shape[0] == 0:
             return False
         grows = table.weight.requires_grad and table.sparse
-        usual = table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
-        return grows and usual and not torch.compiler.is_compiling()
+        return grows and _usual(table) and not torch.compiler.is_compiling()
 
     def distinct_here(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's distinct ids and each position's place among them, on the ids' device: computed once per
@@ -673,9 +693,7 @@ class StemTableRows:
         torch.index_select(weight, 0, unique, out=staged)
         if device.type != "cuda":
             return staged.to(device), None
-        if device not in _COPY_STREAMS:
-            _COPY_STREAMS[device] = torch.cuda.Stream(device)
-        stream = _COPY_STREAMS[device]
+        stream = _side_stream(_COPY_STREAMS, device)
         with torch.cuda.stream(stream):
             rows = staged.to(device, non_blocking=True)
             ready = torch.cuda.Event()
@@ -966,9 +984,7 @@ class StemDecoderLayer(GradientCheckpointingLayer):
             # The model's own rows may be gathered inside the MLP's kernel (`StemTableRows.lookup`), where the MLP is
             # this file's and nothing hooks it: a replaced MLP (healing's blend) or a hook reading it wants rows.
             mlp = self.mlp
-            hooked = mlp._forward_hooks or mlp._forward_pre_hooks or hasattr(mlp, "_hf_hook")
-            plain = type(mlp) is StemTableMLP and not hooked
-            own = plain and type(stem_rows) is StemTableRows
+            own = type(mlp) is StemTableMLP and not _hooked(mlp) and type(stem_rows) is StemTableRows
             hidden_states = mlp(hidden_states, stem_rows.lookup(self.layer_idx) if own else stem_rows[self.layer_idx])
         else:
             hidden_states = self.mlp(hidden_states)
@@ -1356,6 +1372,7 @@ __all__ = [
     "StemTables",
     "check_token_ids",
     "copies_grad_behind",
+    "distinct_rows_grad",
     "distinct_sparse_grad",
     "fused_gated_lookup",
     "fuses_lookups_on",

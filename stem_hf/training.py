@@ -11,8 +11,6 @@
 
 import contextlib
 import copy
-import functools
-import importlib.util
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -27,7 +25,7 @@ from transformers.utils import logging
 
 from .checkpoint_stem import TABLE_KEY
 from .extras import require
-from .modeling_stem import StemTable, StemTables
+from .modeling_stem import StemTable, StemTables, fuses_lookups_on
 
 logger = logging.get_logger(__name__)
 
@@ -246,15 +244,8 @@ def param_groups(
 def compiles_rows_by_default(device: torch.device) -> bool:
     """`RowSparseAdamW(compiled_rows=None)`: tables on a CUDA device that Triton supports (compute capability 7.0 and
     up), where Triton is installed, get `adamw_rows` compiled (measured faster than the eager pass:
-    `benchmarks/results/bench_gpu_train_compile_h100.json`)."""
-    if device.type != "cuda" or not _has_triton() or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (7, 0)
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    `benchmarks/results/bench_gpu_train_compile_h100.json`): the devices `modeling_stem.fuses_lookups_on` names."""
+    return fuses_lookups_on(device)
 
 
 def _in_host_memory(param: torch.Tensor) -> bool:
