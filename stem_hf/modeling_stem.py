@@ -463,18 +463,28 @@ FUSED_LOOKUP_MIN_TOKENS = 128
 
 
 def _compiled(fn: Callable, device_type: str) -> Callable:
-    """`fn` compiled by inductor for `device_type`, once for every shape (and per dtype and device, as its guards
-    ask). Not `fullgraph`: where dynamo cannot take the frame (under a user's torch dispatch mode, such as
-    `FlopCounterMode`) it runs eager."""
+    """`fn` compiled by inductor for `device_type`. Not `fullgraph`: where dynamo cannot take the frame (under a
+    user's torch dispatch mode, such as `FlopCounterMode`) it runs eager."""
     if (fn, device_type) not in _COMPILED:
-        _COMPILED[fn, device_type] = torch.compile(fn, dynamic=True)
+        _COMPILED[fn, device_type] = torch.compile(fn)
     return _COMPILED[fn, device_type]
 
 
+def rows_dynamic(*tensors: torch.Tensor | None) -> None:
+    """Marks the first axis of `tensors` (tokens, rows) dynamic for the compile they enter next, and only that one:
+    one compile for every token and row count, while the width (d_ff) stays a constant of the kernel, whose row
+    offsets inductor can then vectorize (a symbolic width made the kernel several times slower)."""
+    for tensor in tensors:
+        if tensor is not None and tensor.dim():
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
 def _run_compiled(fn: Callable, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """`fn(*args)` compiled; where inductor cannot build it for this device type on this machine (no working
-    compiler or Triton), `fn` as it is, from then on, with a warning."""
+    """`fn(*args)` compiled, dynamic over the first axis of its arguments (`rows_dynamic`); where inductor cannot
+    build it for this device type on this machine (no working compiler or Triton), `fn` as it is, from then on, with
+    a warning."""
     device_type = args[0].device.type
+    rows_dynamic(*args)
     try:
         return _compiled(fn, device_type)(*args)
     except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -1379,6 +1389,7 @@ __all__ = [
     "gated_lookup",
     "gated_lookup_grads",
     "gathered",
+    "rows_dynamic",
     "settle",
     "xavier_normal_std",
 ]

@@ -412,6 +412,34 @@ def test_a_fused_lookup_is_one_kernel_with_the_gather_inside_and_gives_the_unfus
         assert torch.equal(fused.generate(ids, **settings), unfused.generate(ids, **settings))
 
 
+def test_the_fused_lookup_compiles_once_for_every_token_count_with_the_width_a_constant():
+    """Only the token (and row) axis is symbolic: one compile of the forward and one of the gradients serve every
+    token count, and d_ff is a constant of the kernel (a symbolic width made the GPU kernel several times slower:
+    `bench_lookup_kernel.py`). The outputs equal eager's."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    width, generator = 96, torch.Generator().manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(50, width, generator=generator))
+    torch._dynamo.reset()
+    counters.clear()
+    for tokens in (130, 257, 1000):
+        gate = torch.randn(tokens, width, generator=generator, requires_grad=True)
+        index = torch.randint(0, 50, (tokens,), generator=generator)
+        lookup = modeling_stem.StemLookup(table, index)
+        if tokens == 130:
+            out, codes = run_and_get_code(modeling_stem.fused_gated_lookup, gate, lookup)
+            code = "\n".join(codes)
+            assert f"static_cast<int64_t>({width}L)" in code and "embedding" in code, code
+        else:
+            out = modeling_stem.fused_gated_lookup(gate, lookup)
+        expected = modeling_stem.gated_lookup(gate, table, index)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        grads = torch.autograd.grad(out.square().sum(), (gate, table))
+        torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (gate, table)))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the forward and the gradients
+
+
 def _saved_rows_sized(model, ids) -> tuple[torch.Tensor, int]:
     """A training forward's loss, and how many `[tokens, d_ff]`-sized tensors autograd saves for its backward."""
     size, saved = ids.numel() * model.config.intermediate_size, []

@@ -1,0 +1,232 @@
+"""The fused table lookup's kernels alone: `SiLU(gate) * table[ids]` (forward) and its gradients (`gated_lookup_grads`)
+as inductor compiles them, against the unfused operations (embedding, SiLU, product; eager autograd's backward), at one
+STEM layer of the 0.75B shape (8 x 1024 tokens, d_ff 5632, vocab 32000, uniform ids).
+
+Compiled three ways, each its own function (dynamo keeps compiles per function): `dynamic` (`dynamic=True`: every size
+symbolic, d_ff too), `token_axis` (only the token axis symbolic, by `torch._dynamo.mark_dynamic`; d_ff and the vocab
+static), `static` (`dynamic=False`: one compile per token count). Beside them, where Triton is installed, `triton`: a
+hand-written kernel tiled over tokens and d_ff (the rows' offsets a multiple of the static d_ff), as the bound a
+compile could reach. Each time is the median over rounds of the mean of
+`--inner` calls, CUDA events around them; `GBps` is the bytes the operation must move (gate, rows read once, output)
+over that time. `--code-out DIR` writes each forward variant's generated kernel source there.
+
+    python benchmarks/bench_lookup_kernel.py                      # CUDA; JSON in benchmarks/results/
+    python benchmarks/bench_lookup_kernel.py --device cpu --tokens 512 --d-ff 256 --vocab 1000 --out /tmp/k.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from stem_hf.cli_args import positive_int
+from stem_hf.modeling_stem import gated_lookup, gated_lookup_grads
+
+
+def lookup_dynamic(gate, table, index):
+    return gated_lookup(gate, table, index)
+
+
+def lookup_token_axis(gate, table, index):
+    return gated_lookup(gate, table, index)
+
+
+def lookup_static(gate, table, index):
+    return gated_lookup(gate, table, index)
+
+
+def grads_dynamic(grad, gate, table, index):
+    return gated_lookup_grads(grad, gate, table, index)
+
+
+def grads_token_axis(grad, gate, table, index):
+    return gated_lookup_grads(grad, gate, table, index)
+
+
+def grads_static(grad, gate, table, index):
+    return gated_lookup_grads(grad, gate, table, index)
+
+
+MODES = {"dynamic": True, "token_axis": None, "static": False}  # mode: torch.compile's `dynamic`
+FORWARD = {"dynamic": lookup_dynamic, "token_axis": lookup_token_axis, "static": lookup_static}
+BACKWARD = {"dynamic": grads_dynamic, "token_axis": grads_token_axis, "static": grads_static}
+
+
+def compiled(fn: Callable, mode: str) -> Callable:
+    run = torch.compile(fn, dynamic=MODES[mode])
+    if mode != "token_axis":
+        return run
+
+    def marked(*args: torch.Tensor):
+        for tensor in args:
+            if tensor.dim() and tensor.shape[0] == args[-1].shape[0]:  # the token axis: the ids' length
+                torch._dynamo.mark_dynamic(tensor, 0)
+        return run(*args)
+
+    return marked
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the `triton` variant is left out
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _lookup_kernel(gate, table, index, out, tokens, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        mask = (t < tokens)[:, None] & (d < D)[None, :]
+        rows = tl.load(index + t, mask=t < tokens, other=0)
+        x = tl.load(gate + t[:, None] * D + d[None, :], mask=mask).to(tl.float32)
+        r = tl.load(table + rows[:, None] * D + d[None, :], mask=mask).to(tl.float32)
+        tl.store(out + t[:, None] * D + d[None, :], (x * tl.sigmoid(x) * r).to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _grads_kernel(grad, gate, table, index, grad_gate, grad_rows, tokens, D: tl.constexpr, BT: tl.constexpr,
+                      BD: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        mask = (t < tokens)[:, None] & (d < D)[None, :]
+        rows = tl.load(index + t, mask=t < tokens, other=0)
+        at = t[:, None] * D + d[None, :]
+        g = tl.load(grad + at, mask=mask).to(tl.float32)
+        x = tl.load(gate + at, mask=mask).to(tl.float32)
+        r = tl.load(table + rows[:, None] * D + d[None, :], mask=mask).to(gate.dtype.element_ty).to(tl.float32)
+        s = tl.sigmoid(x)
+        tl.store(grad_gate + at, (g * r * s * (1 + x * (1 - s))).to(grad_gate.dtype.element_ty), mask=mask)
+        tl.store(grad_rows + at, (g * x * s).to(grad_rows.dtype.element_ty), mask=mask)
+
+
+BT, BD = 16, 256
+
+
+def triton_forward(gate, table, index):
+    out = torch.empty_like(gate)
+    tokens, d = gate.shape
+    _lookup_kernel[(triton.cdiv(tokens, BT), triton.cdiv(d, BD))](gate, table, index, out, tokens, d, BT, BD)
+    return out
+
+
+def triton_backward(grad, gate, table, index):
+    grad_gate, grad_rows = torch.empty_like(gate), torch.empty(gate.shape, dtype=table.dtype, device=gate.device)
+    tokens, d = gate.shape
+    _grads_kernel[(triton.cdiv(tokens, BT), triton.cdiv(d, BD))](grad, gate, table, index, grad_gate, grad_rows,
+                                                                 tokens, d, BT, BD)  # fmt: skip
+    return grad_gate, grad_rows
+
+
+def unfused_forward(gate, table, index):
+    return torch.nn.functional.silu(gate) * torch.nn.functional.embedding(index, table).to(gate.dtype)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, rounds: int, inner: int) -> float:
+    """Median over `rounds` of the mean milliseconds of `inner` calls (after two warm-up calls)."""
+    fn(), fn()
+    times = []
+    for _ in range(rounds):
+        sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / inner)
+        else:
+            begin = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - begin) * 1000 / inner)
+    return statistics.median(times)
+
+
+def case(args, device: torch.device, table_dtype: torch.dtype, tokens: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    gate = torch.randn(tokens, args.d_ff, device=device, generator=g, dtype=torch.bfloat16)
+    table = torch.randn(args.vocab, args.d_ff, device=device, generator=g).to(table_dtype)
+    index = torch.randint(0, args.vocab, (tokens,), device=device, generator=g)
+    grad = torch.randn_like(gate)
+    act, row = gate.element_size(), table.element_size()
+    forward_bytes = tokens * args.d_ff * (2 * act + row)  # gate and rows read, output written
+    backward_bytes = tokens * args.d_ff * (3 * act + 2 * row)  # grad, gate, rows read; both gradients written
+    out = {"tokens": tokens, "table_dtype": str(table_dtype).removeprefix("torch.")}
+
+    def record(name: str, ms: float, nbytes: int) -> None:
+        out[name] = {"ms": round(ms, 4), "GBps": round(nbytes / ms / 1e6, 1)}
+
+    reference = unfused_forward(gate, table, index)
+    record("forward_unfused", timed_ms(lambda: unfused_forward(gate, table, index), device, args.rounds, args.inner),
+           forward_bytes)  # fmt: skip
+    leaf_gate, leaf_table = gate.clone().requires_grad_(), table.clone().requires_grad_()
+    product = unfused_forward(leaf_gate, leaf_table, index)
+
+    def eager_backward():
+        return torch.autograd.grad(product, (leaf_gate, leaf_table), grad, retain_graph=True)
+
+    record("backward_unfused", timed_ms(eager_backward, device, args.rounds, args.inner), backward_bytes)
+    for mode in MODES:
+        forward, backward = compiled(FORWARD[mode], mode), compiled(BACKWARD[mode], mode)
+        _, code = run_and_get_code(forward, gate, table, index)
+        if args.code_out:
+            os.makedirs(args.code_out, exist_ok=True)
+            with open(os.path.join(args.code_out, f"forward_{mode}_{out['table_dtype']}_{tokens}.py"), "w") as f:
+                f.write("\n\n".join(code))
+        out[f"forward_{mode}_max_diff"] = (forward(gate, table, index).float() - reference.float()).abs().max().item()
+        record(f"forward_{mode}", timed_ms(lambda f=forward: f(gate, table, index), device, args.rounds, args.inner),
+               forward_bytes)  # fmt: skip
+        record(f"backward_{mode}", timed_ms(lambda b=backward: b(grad, gate, table, index), device, args.rounds,
+               args.inner), backward_bytes)  # fmt: skip
+    if triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        diff = (triton_forward(gate, table, index).float() - reference.float()).abs().max().item()
+        out["forward_triton_max_diff"] = diff
+        got, expected = triton_backward(grad, gate, table, index), gated_lookup_grads(grad, gate, table, index)
+        pairs = zip(got, expected, strict=True)
+        out["backward_triton_max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+        record("forward_triton", timed_ms(lambda: triton_forward(gate, table, index), device, args.rounds, args.inner),
+               forward_bytes)  # fmt: skip
+        record("backward_triton", timed_ms(lambda: triton_backward(grad, gate, table, index), device, args.rounds,
+               args.inner), backward_bytes)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tokens", default="8192,16384", help="comma-separated token counts")
+    parser.add_argument("--d-ff", type=positive_int, default=5632)
+    parser.add_argument("--vocab", type=positive_int, default=32000)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--inner", type=positive_int, default=20)
+    parser.add_argument("--code-out", default="")
+    parser.add_argument("--out", default="benchmarks/results/bench_lookup_kernel.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "args": vars(args), "cases": []}  # fmt: skip
+    for table_dtype in (torch.bfloat16, torch.float32):
+        for n in tokens:
+            report["cases"].append(case(args, device, table_dtype, n))
+            print(json.dumps(report["cases"][-1]), flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".tmp", "w") as f:
+                f.write(json.dumps(report, indent=2) + "\n")
+            os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    main()
