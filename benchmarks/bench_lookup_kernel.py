@@ -8,9 +8,11 @@ static), `static` (`dynamic=False`: one compile per token count). Beside them, w
 hand-written kernel tiled over tokens and d_ff (the rows' offsets a multiple of the static d_ff), as the bound a
 compile could reach. Each time is the median over rounds of the mean of
 `--inner` calls, CUDA events around them; `GBps` is the bytes the operation must move (gate, rows read once, output)
-over that time. `--code-out DIR` writes each forward variant's generated kernel source there.
+over that time. `backward_unfused` is eager autograd of the unfused operations, which also sums the rows' gradients
+into the table's (a pass the compiled gradients leave to embedding's backward), so only the compiled and hand-written
+gradients compare with each other. `--code-out DIR` writes each forward variant's generated kernel source there.
 
-    python benchmarks/bench_lookup_kernel.py                      # CUDA; JSON in benchmarks/results/
+    python benchmarks/bench_lookup_kernel.py        # CUDA; bench_lookup_kernel.json (the H200's: *_h200.json)
     python benchmarks/bench_lookup_kernel.py --device cpu --tokens 512 --d-ff 256 --vocab 1000 --out /tmp/k.json
 """
 
