@@ -205,20 +205,46 @@ class StepClock:
         return scores
 
 
+def decode_once(model, prompt: torch.Tensor, new: int, device: torch.device, **kwargs) -> tuple[float, torch.Tensor]:
+    """Seconds per greedy decode step of one `generate` (the prefill excluded), and the tokens it generated."""
+    clock = StepClock(device)
+    greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    clocked = LogitsProcessorList([clock])
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), logits_processor=clocked, **greedy, **kwargs)
+    return (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1), out.cpu()
+
+
+def decode_other_lookup(model, fused: bool, prompt: torch.Tensor, **kwargs) -> tuple[float, torch.Tensor]:
+    with lookup(model, fused):
+        return decode_once(model, prompt, **kwargs)
+
+
+def decode_served(engine: StemOffloadEngine, prompt: torch.Tensor, **kwargs) -> tuple[float, torch.Tensor]:
+    with engine.attach():
+        return decode_once(engine.model, prompt, **kwargs)
+
+
+def paired_decode(variants: dict[str, Callable[[torch.Tensor], tuple]], prompt: torch.Tensor, repeats: int) -> dict:
+    """Per variant: median seconds per decode step, its last tokens, and whether every run generated them. The
+    variants run in turn within each of `repeats` rounds (in reverse order every other round) after one warm-up each
+    (which compiles), as `paired_s` times prefills: a drift of the machine's speed hits each alike."""
+    outs = {name: [run(prompt)[1]] for name, run in variants.items()}
+    steps = {name: [] for name in variants}
+    for round_ in range(repeats):
+        for name in list(variants) if round_ % 2 == 0 else reversed(list(variants)):
+            step, out = variants[name](prompt)
+            steps[name].append(step)
+            outs[name].append(out)
+    return {
+        name: (statistics.median(steps[name]), outs[name][-1], all(torch.equal(o, outs[name][-1]) for o in outs[name]))
+        for name in variants
+    }
+
+
 def decode_step_s(model, prompt: torch.Tensor, new: int, repeats: int, device: torch.device, **kwargs) -> tuple:
     """Median seconds per greedy decode step, the tokens generated, and whether every run generated them."""
-    steps, outs = [], []
-    for run in range(repeats + 1):  # run 0 warms up (and compiles)
-        clock = StepClock(device)
-        greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-        clocked = LogitsProcessorList([clock])
-        out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), logits_processor=clocked, **greedy, **kwargs
-        )
-        if run:
-            steps.append((clock.times[-1] - clock.times[0]) / (len(clock.times) - 1))
-        outs.append(out.cpu())
-    return statistics.median(steps), outs[-1], all(torch.equal(o, outs[-1]) for o in outs)
+    run = partial(decode_once, model, new=new, device=device, **kwargs)
+    return paired_decode({"model": run}, prompt, repeats)["model"]
 
 
 @contextmanager
@@ -426,68 +452,78 @@ def run_train(args, device: torch.device) -> dict:
 
 
 def run_decode(args, device: torch.device) -> dict:
-    """Greedy decode of `--new-tokens` after a `--prompt-len` prompt, per batch: dense, STEM-1/2 resident, host, and
-    engine with a row cache; static-cache compiled decoding with `--compile`. Tokens are compared with resident's."""
+    """Greedy decode of `--new-tokens` after a `--prompt-len` prompt, per batch: dense and STEM-1/2 in memory together,
+    timed in turn round by round (`paired_decode`): dense, resident and resident with the other `fused_table_lookup`;
+    then, the tables moved to host memory, dense, host and engine with a row cache; each ratio against dense from the
+    same rounds. Static-cache compiled decoding with `--compile`, timed on its own (each compile starts afresh).
+    Tokens are compared with resident's."""
     batches = [int(b) for b in args.decode_batches.split(",")]
     prompts = {b: token_ids("zipf", (b, args.prompt_len), VOCAB[args.shape], device, seed=b) for b in batches}
-    compiled = None
+    dtype = getattr(torch, args.dtype)
+    dense, model = build(args.shape, None, device, dtype), build(args.shape, "1/2", device, dtype)
+    context = args.prompt_len + args.new_tokens / 2
+    fuses = fuses_lookups_on(device)  # the prompts' prefills; decoding steps of fewer than 128 tokens never fuse
+    other = "resident_unfused" if fuses else "resident_fused"  # the other `fused_table_lookup`
+    timing = dict(new=args.new_tokens, device=device)
+    resident = {
+        "dense": partial(decode_once, dense, **timing),
+        "resident": partial(decode_once, model, **timing),
+        other: partial(decode_other_lookup, model, not fuses, **timing),
+    }
+    phases = [{b: paired_decode(resident, p, args.repeats) for b, p in prompts.items()}]
+    logits = {"resident": last_logits(model, prompts), "resident_again": last_logits(model, prompts)}
+    with lookup(model, not fuses):
+        logits[other] = last_logits(model, prompts)
     if args.compile:
         compile_config = CompileConfig(fullgraph=True)
         compile_config._compile_all_devices = device.type == "cpu"  # transformers compiles on accelerators only
         compiled = {"cache_implementation": "static", "compile_config": compile_config}
-
-    def per_batch(model, **kwargs) -> dict:
-        return {b: decode_step_s(model, p, args.new_tokens, args.repeats, device, **kwargs) for b, p in prompts.items()}
-
-    dense = build(args.shape, None, device, getattr(torch, args.dtype))
-    dense_steps = per_batch(dense)
-    if compiled:
-        fresh_compiles()
-    dense_static = per_batch(dense, **compiled) if compiled else {}
-    del dense
-    free()
-    model = build(args.shape, "1/2", device, getattr(torch, args.dtype))
-    context = args.prompt_len + args.new_tokens / 2
-    runs = {"resident": per_batch(model)}
-    logits = {"resident": last_logits(model, prompts), "resident_again": last_logits(model, prompts)}
-    fuses = fuses_lookups_on(device)  # the prompts' prefills; decoding steps of fewer than 128 tokens never fuse
-    other = "resident_unfused" if fuses else "resident_fused"  # the other `fused_table_lookup`
-    with lookup(model, not fuses):
-        runs[other] = per_batch(model)
-        logits[other] = last_logits(model, prompts)
-    if compiled:
-        fresh_compiles()
-        runs["static_compiled"] = per_batch(model, **compiled)
+        static = {}
+        for name, which in (("dense", dense), ("static_compiled", model)):
+            fresh_compiles()
+            static[name] = {b: decode_step_s(which, p, args.new_tokens, args.repeats, device, **compiled)
+                            for b, p in prompts.items()}  # fmt: skip
+        phases.append({b: {name: static[name][b] for name in static} for b in batches})
     if device.type != "cpu":
         to_host(model)
-        runs["host"] = per_batch(model)
+        engine = StemOffloadEngine(model, cache_tokens=4096, device=device)
+        host = {
+            "dense": partial(decode_once, dense, **timing),
+            "host": partial(decode_once, model, **timing),
+            "engine": partial(decode_served, engine, **timing),
+        }
+        phases.append({b: paired_decode(host, p, args.repeats) for b, p in prompts.items()})
         logits["host"] = last_logits(model, prompts)
-        with StemOffloadEngine(model, cache_tokens=4096, device=device).attach():
-            runs["engine"] = per_batch(model)
+        with engine.attach():
             logits["engine"] = last_logits(model, prompts)
-    out = {
-        "predicted_speedup": round(predicted(model.config, context), 3),
-        "fused_lookup_by_default": fuses,
-    }
-    del model
+    out = {"predicted_speedup": round(predicted(model.config, context), 3), "fused_lookup_by_default": fuses}
+    del dense, model, resident
+    if device.type != "cpu":
+        del engine, host
     free()
     for b in batches:
-        row = {"dense_step_ms": round(dense_steps[b][0] * 1e3, 3), "dense_same_tokens_across_runs": dense_steps[b][2]}
-        for name, results in runs.items():
-            step, tokens, repeatable = results[b]
-            base = dense_static[b][0] if name == "static_compiled" else dense_steps[b][0]
-            row[name] = {"step_ms": round(step * 1e3, 3), "speedup": round(base / step, 3)}
-            # Whether the variant's runs agree among themselves: if resident's own runs differ, tokens that differ
-            # from resident's may be kernel order (random bf16 weights have flat logits); if not, they need a look.
-            row[name]["same_tokens_across_runs"] = repeatable
-            if name != "resident":
-                row[name]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][b][1]))
-            # The prompt's next-token logits against resident's: kernel order moves them by rounding, a wrong row
-            # by far more. Resident against itself says how much rounding differs between two runs.
-            other = "resident_again" if name == "resident" else name
-            if other in logits:
-                diff = (logits[other][b] - logits["resident"][b]).abs().max().item()
-                row[name]["logits_max_diff_vs_resident"] = round(diff, 5)
+        first = phases[0][b]["dense"]
+        row = {"dense_step_ms": round(first[0] * 1e3, 3), "dense_same_tokens_across_runs": first[2]}
+        for phase in phases:
+            base = phase[b]["dense"][0]
+            for name, (step_s, tokens, repeatable) in phase[b].items():
+                if name == "dense":
+                    continue
+                row[name] = {"step_ms": round(step_s * 1e3, 3), "speedup": round(base / step_s, 3)}
+                if phase is not phases[0]:  # its own dense rounds
+                    row[name]["dense_step_ms"] = round(base * 1e3, 3)
+                # Whether the variant's runs agree among themselves: if resident's own runs differ, tokens that
+                # differ from resident's may be kernel order (random bf16 weights have flat logits); if not, they
+                # need a look.
+                row[name]["same_tokens_across_runs"] = repeatable
+                if name != "resident":
+                    row[name]["same_tokens_as_resident"] = bool(torch.equal(tokens, phases[0][b]["resident"][1]))
+                # The prompt's next-token logits against resident's: kernel order moves them by rounding, a wrong
+                # row by far more. Resident against itself says how much rounding differs between two runs.
+                again = "resident_again" if name == "resident" else name
+                if again in logits:
+                    diff = (logits[again][b] - logits["resident"][b]).abs().max().item()
+                    row[name]["logits_max_diff_vs_resident"] = round(diff, 5)
         row["resident_logits_std"] = round(logits["resident"][b].std().item(), 5)
         out[f"batch_{b}"] = row
     return out

@@ -3,10 +3,11 @@ as inductor compiles them, against the unfused operations (embedding, SiLU, prod
 STEM layer of the 0.75B shape (8 x 1024 tokens, d_ff 5632, vocab 32000, uniform ids).
 
 Compiled three ways, each its own function (dynamo keeps compiles per function): `dynamic` (`dynamic=True`: every size
-symbolic, d_ff too), `token_axis` (only the token axis symbolic, by `torch._dynamo.mark_dynamic`; d_ff and the vocab
-static), `static` (`dynamic=False`: one compile per token count). Beside them, where Triton is installed, `triton`: a
-hand-written kernel tiled over tokens and d_ff (the rows' offsets a multiple of the static d_ff), as the bound a
-compile could reach. Each time is the median over rounds of the mean of
+symbolic, d_ff too), `token_axis` (as the model compiles it now: `dynamic=False`, the first axis of every argument
+symbolic by `rows_dynamic`, d_ff static; the H200 run of `bench_lookup_kernel_h200.json` marked the token axis only,
+the vocab static), `static` (`dynamic=False`: one compile per token count). Beside them, where Triton is installed,
+`triton`: a hand-written kernel tiled over tokens and d_ff (the rows' offsets a multiple of the static d_ff), as the
+bound a compile could reach. Each time is the median over rounds of the mean of
 `--inner` calls, CUDA events around them; `GBps` is the bytes the operation must move (gate, rows read once, output)
 over that time. `backward_unfused` is eager autograd of the unfused operations, which also sums the rows' gradients
 into the table's (a pass the compiled gradients leave to embedding's backward), so only the compiled and hand-written
@@ -27,7 +28,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from stem_hf.cli_args import positive_int
-from stem_hf.modeling_stem import gated_lookup, gated_lookup_grads
+from stem_hf.modeling_stem import gated_lookup, gated_lookup_grads, rows_dynamic
 
 
 def lookup_dynamic(gate, table, index):
@@ -54,7 +55,7 @@ def grads_static(grad, gate, table, index):
     return gated_lookup_grads(grad, gate, table, index)
 
 
-MODES = {"dynamic": True, "token_axis": None, "static": False}  # mode: torch.compile's `dynamic`
+MODES = {"dynamic": True, "token_axis": False, "static": False}  # mode: torch.compile's `dynamic`
 FORWARD = {"dynamic": lookup_dynamic, "token_axis": lookup_token_axis, "static": lookup_static}
 BACKWARD = {"dynamic": grads_dynamic, "token_axis": grads_token_axis, "static": grads_static}
 
@@ -65,9 +66,7 @@ def compiled(fn: Callable, mode: str) -> Callable:
         return run
 
     def marked(*args: torch.Tensor):
-        for tensor in args:
-            if tensor.dim() and tensor.shape[0] == args[-1].shape[0]:  # the token axis: the ids' length
-                torch._dynamo.mark_dynamic(tensor, 0)
+        rows_dynamic(*args)  # as the model's fused lookup marks them
         return run(*args)
 
     return marked

@@ -463,17 +463,18 @@ FUSED_LOOKUP_MIN_TOKENS = 128
 
 
 def _compiled(fn: Callable, device_type: str) -> Callable:
-    """`fn` compiled by inductor for `device_type`. Not `fullgraph`: where dynamo cannot take the frame (under a
-    user's torch dispatch mode, such as `FlopCounterMode`) it runs eager."""
+    """`fn` compiled by inductor for `device_type`, static but for the axes `rows_dynamic` marks (`dynamic=False`:
+    another width is a compile of its own, never a symbolic one). Not `fullgraph`: where dynamo cannot take the frame
+    (under a user's torch dispatch mode, such as `FlopCounterMode`) it runs eager."""
     if (fn, device_type) not in _COMPILED:
-        _COMPILED[fn, device_type] = torch.compile(fn)
+        _COMPILED[fn, device_type] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn, device_type]
 
 
 def rows_dynamic(*tensors: torch.Tensor | None) -> None:
-    """Marks the first axis of `tensors` (tokens, rows) dynamic for the compile they enter next, and only that one:
-    one compile for every token and row count, while the width (d_ff) stays a constant of the kernel, whose row
-    offsets inductor can then vectorize (a symbolic width made the kernel several times slower)."""
+    """Marks the first axis of each of `tensors` (tokens; a table's rows) dynamic in every compile it enters: one
+    compile serves every token and row count, while the width (d_ff) stays a constant of the kernel, whose row loads
+    inductor can then vectorize (with a symbolic width it could not: `benchmarks/bench_lookup_kernel.py`)."""
     for tensor in tensors:
         if tensor is not None and tensor.dim():
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
