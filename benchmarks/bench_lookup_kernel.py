@@ -11,7 +11,10 @@ bound a compile could reach. Each time is the median over rounds of the mean of
 `--inner` calls, CUDA events around them; `GBps` is the bytes the operation must move (gate, rows read once, output)
 over that time. `backward_unfused` is eager autograd of the unfused operations, which also sums the rows' gradients
 into the table's (a pass the compiled gradients leave to embedding's backward), so only the compiled and hand-written
-gradients compare with each other. `--code-out DIR` writes each forward variant's generated kernel source there.
+gradients compare with each other. `table_grad_*`: the backward with the table's gradient summed into the batch's
+distinct rows (what training with sparse table gradients needs), four ways, with `*_repeatable` (two runs, the same
+bits) and the error against a float64 sum (`table_grads`). `--code-out DIR` writes each forward variant's generated
+kernel source there.
 
     python benchmarks/bench_lookup_kernel.py        # CUDA; bench_lookup_kernel.json (the H200's: *_h200.json)
     python benchmarks/bench_lookup_kernel.py --device cpu --tokens 512 --d-ff 256 --vocab 1000 --out /tmp/k.json
@@ -124,6 +127,53 @@ def triton_backward(grad, gate, table, index):
     return grad_gate, grad_rows
 
 
+def fused_table_grad(grad, gate, table, index, unique, inverse):
+    """Both gradients in one compiled function, the rows' summed into the distinct rows' by atomic adds
+    (`index_put_(accumulate=True)`): the `[tokens, d_ff]` row gradients are never written."""
+    grad_gate, grad_rows = gated_lookup_grads(grad, gate, table, index)
+    rows = torch.zeros(unique.shape[0], gate.shape[1], dtype=table.dtype, device=gate.device)
+    return grad_gate, rows.index_put_((inverse,), grad_rows, accumulate=True)
+
+
+def table_grads(args, device, grad, gate, table, index, record) -> dict:
+    """The lookup's backward with the table's gradient summed into the batch's distinct rows, four ways: the compiled
+    gradients, then embedding's own backward (`distinct_rows_grad`: sorted, deterministic), `index_add_` (atomic adds),
+    or `segment_reduce` over the positions sorted once per forward (deterministic); or one compiled function with
+    atomic adds. Each result against a float64 sum; whether two runs give the same bits."""
+    unique, inverse = torch.unique(index, return_inverse=True)
+    order, counts = torch.sort(inverse, stable=True).indices, torch.bincount(inverse, minlength=len(unique))
+    grads = compiled(BACKWARD["token_axis"], "token_axis")
+    fused = compiled(fused_table_grad, "token_axis")
+    n, width = len(unique), gate.shape[1]
+
+    def embedding_backward():
+        grad_gate, grad_rows = grads(grad, gate, table, index)
+        return grad_gate, torch.ops.aten.embedding_dense_backward(grad_rows, inverse, n, -1, False)
+
+    def index_add():
+        grad_gate, grad_rows = grads(grad, gate, table, index)
+        return grad_gate, torch.zeros(n, width, dtype=table.dtype, device=device).index_add_(0, inverse, grad_rows)
+
+    def segments():
+        grad_gate, grad_rows = grads(grad, gate, table, index)
+        return grad_gate, torch.segment_reduce(grad_rows[order], "sum", lengths=counts)
+
+    x, g = gate.double(), grad.double()
+    expected = torch.zeros(n, width, dtype=torch.float64, device=device)
+    expected.index_add_(0, inverse, g * x * torch.sigmoid(x))
+    moved = grad.numel() * (3 * grad.element_size() + table.element_size()) + n * width * table.element_size()
+    out = {"distinct_rows": n, "sort_once_ms": round(timed_ms(lambda: torch.sort(inverse, stable=True), device,
+                                                              args.rounds, args.inner), 4)}  # fmt: skip
+    ways = {"embedding_backward": embedding_backward, "index_add": index_add, "segment_reduce": segments,
+            "fused_atomic": lambda: fused(grad, gate, table, index, unique, inverse)}  # fmt: skip
+    for name, way in ways.items():
+        first, second = way()[1], way()[1]
+        out[f"table_grad_{name}_max_diff"] = (first.double() - expected).abs().max().item()
+        out[f"table_grad_{name}_repeatable"] = bool(torch.equal(first, second))
+        record(f"table_grad_{name}", timed_ms(way, device, args.rounds, args.inner), moved)
+    return out
+
+
 def unfused_forward(gate, table, index):
     return torch.nn.functional.silu(gate) * torch.nn.functional.embedding(index, table).to(gate.dtype)
 
@@ -191,6 +241,7 @@ def case(args, device: torch.device, table_dtype: torch.dtype, tokens: int) -> d
                forward_bytes)  # fmt: skip
         record(f"backward_{mode}", timed_ms(lambda b=backward: b(grad, gate, table, index), device, args.rounds,
                args.inner), backward_bytes)  # fmt: skip
+    out.update(table_grads(args, device, grad, gate, table, index, record))
     if triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         diff = (triton_forward(gate, table, index).float() - reference.float()).abs().max().item()
         out["forward_triton_max_diff"] = diff

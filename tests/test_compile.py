@@ -619,6 +619,30 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         )
 
 
+@pytest.mark.slow
+def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_reference(tmp_path):
+    """`benchmarks/bench_lookup_kernel.py` at a tiny shape on the CPU: every compile mode's forward equals the unfused
+    one to bf16 rounding, and every way of summing the table's gradient equals a float64 sum to its dtype's rounding."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "kernel.json"
+    command = [sys.executable, os.path.join(root, "benchmarks/bench_lookup_kernel.py"), "--device", "cpu",
+               "--tokens", "200,300", "--d-ff", "64", "--vocab", "150", "--rounds", "1", "--inner", "1",
+               "--out", str(out)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    expected = [(dtype, tokens) for dtype in ("bfloat16", "float32") for tokens in (200, 300)]
+    assert [(case["table_dtype"], case["tokens"]) for case in cases] == expected
+    for case in cases:
+        for mode in ("dynamic", "token_axis", "static"):
+            assert case[f"forward_{mode}_max_diff"] <= 0.0625 and case[f"forward_{mode}"]["ms"] > 0
+            assert case[f"backward_{mode}"]["ms"] > 0
+        tolerance = 0.25 if case["table_dtype"] == "bfloat16" else 1e-4  # sums of a few terms of size about 1
+        for way in ("embedding_backward", "index_add", "segment_reduce", "fused_atomic"):
+            assert case[f"table_grad_{way}_max_diff"] < tolerance and case[f"table_grad_{way}"]["ms"] > 0, way
+        assert 0 < case["distinct_rows"] <= 150
+
+
 def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
     """`benchmarks/profile_gpu.py` at a tiny shape on the CPU (the host-table variants need an accelerator; the offload
     engine serves a CPU model too): each variant's totals, and its top operators, the matrix products among them."""
