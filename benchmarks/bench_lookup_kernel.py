@@ -140,8 +140,8 @@ def table_grads(args, device, grad, gate, table, index, record) -> dict:
     gradients, then embedding's own backward (`distinct_rows_grad`: sorted, deterministic), `index_add_` (atomic adds),
     or `segment_reduce` over the positions sorted once per forward (deterministic); or one compiled function with
     atomic adds. Each result against a float64 sum; whether two runs give the same bits."""
-    unique, inverse = torch.unique(index, return_inverse=True)
-    order, counts = torch.sort(inverse, stable=True).indices, torch.bincount(inverse, minlength=len(unique))
+    unique, inverse, counts = torch.unique(index, return_inverse=True, return_counts=True)
+    order = torch.sort(inverse, stable=True).indices
     grads = compiled(BACKWARD["token_axis"], "token_axis")
     fused = compiled(fused_table_grad, "token_axis")
     n, width = len(unique), gate.shape[1]
@@ -156,7 +156,8 @@ def table_grads(args, device, grad, gate, table, index, record) -> dict:
 
     def segments():
         grad_gate, grad_rows = grads(grad, gate, table, index)
-        return grad_gate, torch.segment_reduce(grad_rows[order], "sum", lengths=counts)
+        # unsafe: no check of `lengths` (a host sync); they come from `torch.unique`, each at least 1
+        return grad_gate, torch.segment_reduce(grad_rows[order], "sum", lengths=counts, unsafe=True)
 
     x, g = gate.double(), grad.double()
     expected = torch.zeros(n, width, dtype=torch.float64, device=device)
@@ -166,6 +167,9 @@ def table_grads(args, device, grad, gate, table, index, record) -> dict:
                                                               args.rounds, args.inner), 4)}  # fmt: skip
     ways = {"embedding_backward": embedding_backward, "index_add": index_add, "segment_reduce": segments,
             "fused_atomic": lambda: fused(grad, gate, table, index, unique, inverse)}  # fmt: skip
+    # Whether inductor's code sums the rows by atomic adds (else aten's sorted `index_put_`: the label would mislead).
+    _, code = run_and_get_code(fused, grad, gate, table, index, unique, inverse)
+    out["fused_atomic_adds"] = "atomic_add" in "\n".join(code)
     for name, way in ways.items():
         first, second = way()[1], way()[1]
         out[f"table_grad_{name}_max_diff"] = (first.double() - expected).abs().max().item()

@@ -619,6 +619,31 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         )
 
 
+def test_paired_decode_runs_the_variants_in_turn_round_by_round():
+    """`bench_gpu.paired_decode`: one warm-up run of each variant, then each round runs them in turn, in reverse order
+    every other round; each variant's median comes from its own timed rounds, and whether its runs repeated tokens."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls, times = [], {"a": iter([9.0, 1.0, 2.0, 3.0]), "b": iter([9.0, 5.0, 7.0, 6.0])}
+    tokens = {"a": iter([torch.ones(2)] * 4), "b": iter([torch.ones(2)] * 3 + [torch.zeros(2)])}
+
+    def variant(name: str):
+        def run(prompt: torch.Tensor) -> tuple:
+            calls.append(name)
+            return next(times[name]), next(tokens[name])
+
+        return run
+
+    result = bench.paired_decode({"a": variant("a"), "b": variant("b")}, torch.zeros(1), repeats=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert result["a"][0] == 2.0 and result["b"][0] == 6.0  # the warm-ups' 9.0 left out
+    assert result["a"][2] is True and result["b"][2] is False and torch.equal(result["b"][1], torch.zeros(2))
+
+
 @pytest.mark.slow
 def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_reference(tmp_path):
     """`benchmarks/bench_lookup_kernel.py` at a tiny shape on the CPU: every compile mode's forward equals the unfused
@@ -635,11 +660,13 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
     assert [(case["table_dtype"], case["tokens"]) for case in cases] == expected
     for case in cases:
         for mode in ("dynamic", "token_axis", "static"):
-            assert case[f"forward_{mode}_max_diff"] <= 0.0625 and case[f"forward_{mode}"]["ms"] > 0
+            assert case[f"forward_{mode}_max_diff"] <= 0.25 and case[f"forward_{mode}"]["ms"] > 0  # bf16 rounding
             assert case[f"backward_{mode}"]["ms"] > 0
         tolerance = 0.25 if case["table_dtype"] == "bfloat16" else 1e-4  # sums of a few terms of size about 1
         for way in ("embedding_backward", "index_add", "segment_reduce", "fused_atomic"):
             assert case[f"table_grad_{way}_max_diff"] < tolerance and case[f"table_grad_{way}"]["ms"] > 0, way
+        assert case["table_grad_embedding_backward_repeatable"] and case["table_grad_segment_reduce_repeatable"]
+        assert case["fused_atomic_adds"] is True  # inductor's code sums the rows by atomic adds
         assert 0 < case["distinct_rows"] <= 150
 
 
