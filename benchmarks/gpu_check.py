@@ -16,7 +16,9 @@ With one:
    placement and peak while decoding) of each; copy/compute overlap of the engine's side stream (host-to-device copy
    alone, the engine's gather + copy alone, a GEMM workload alone, and both together); and a chunked prefill planned
    ahead (`engine.plan`, the background gather thread) against the same prefill served forward by forward.
-3. `benchmarks/bench_gpu.py` in a subprocess, with what is left of the budget: STEM against a dense Llama at a 0.75B
+3. `benchmarks/bench_lookup_kernel.py` in a subprocess (at most 90 s): the fused lookup's kernels at one layer of 8192
+   tokens by compile mode, and the table gradient's sum into distinct rows four ways.
+4. `benchmarks/bench_gpu.py` in a subprocess, with what is left of the budget: STEM against a dense Llama at a 0.75B
    shape (prefill, train step with its optimizer, decode; resident, host and engine tables), each ratio beside its
    FLOP prediction (`docs/gpu.md`).
 
@@ -471,6 +473,8 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
         decode["int8_token_agreement"] = {
             str(b): (ref[b][:, 128:] == got[b][:, 128:]).float().mean().item() for b in prompts
         }
+    # The lookup's kernels first (about a minute, its compiles included), so bench_gpu keeps the rest of the budget.
+    part("lookup_kernel", 150, lambda: lookup_kernel(min(deadline, time.monotonic() + 90), quick, bench))
     part("bench_gpu", 90, lambda: bench_gpu(deadline, quick, bench))
     host = decode.get("host_tables", {})
     for name in ("offload_no_cache", "offload_cache_4096", "offload_int8_cache_4096", "resident"):
@@ -487,10 +491,25 @@ def bench_gpu(deadline: float, quick: bool, bench: dict) -> None:
     """`benchmarks/bench_gpu.py` (STEM against dense Llama at the 0.75B shape) in a subprocess, within what is left of
     the budget, into `bench["bench_gpu"]`: its JSON, partial if the time ran out (`complete` says). A run that fails
     keeps the parts it saved, with the error, and raises."""
-    out = os.path.join(REPO, "benchmarks/results/bench_gpu.json")
-    command = [sys.executable, os.path.join(REPO, "benchmarks/bench_gpu.py"), "--out", out]
-    if quick:
-        command += ["--repeats", "2", "--seq-len", "512", "--new-tokens", "16", "--decode-batches", "1,16"]
+    quick_args = ["--repeats", "2", "--seq-len", "512", "--new-tokens", "16", "--decode-batches", "1,16"]
+    run_script("bench_gpu", quick_args if quick else [], deadline, bench)
+
+
+def lookup_kernel(deadline: float, quick: bool, bench: dict) -> None:
+    """`benchmarks/bench_lookup_kernel.py` at one layer of 8192 tokens (the fused lookup's kernels by compile mode, and
+    the table gradient's sum into distinct rows four ways) into `bench["lookup_kernel"]`, as `bench_gpu`."""
+    run_script("bench_lookup_kernel", ["--tokens", "8192"] + (["--rounds", "3"] if quick else []), deadline, bench,
+               key="lookup_kernel")  # fmt: skip
+
+
+def run_script(
+    name: str, args: list[str], deadline: float, bench: dict, key: str | None = None, results: str | None = None
+) -> None:
+    """`benchmarks/{name}.py` in a subprocess until 20 s before `deadline`, its JSON (`--out {results}/{name}.json`,
+    by default in `benchmarks/results`) into `bench[key or name]`, partial if the time ran out. A run that fails keeps
+    what it saved, with the error, and raises."""
+    out = os.path.join(results or os.path.join(REPO, "benchmarks/results"), f"{name}.json")
+    command = [sys.executable, os.path.join(REPO, f"benchmarks/{name}.py"), "--out", out, *args]
     timeout = deadline - time.monotonic() - 20
     with contextlib.suppress(FileNotFoundError):
         os.remove(out)  # a result left by an earlier run must not pass for this one's
@@ -500,14 +519,14 @@ def bench_gpu(deadline: float, quick: bool, bench: dict) -> None:
         run = subprocess.run(command, cwd=REPO, timeout=timeout, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
         if run.returncode != 0:
-            failure = f"bench_gpu.py: exit status {run.returncode}: {run.stderr[-2000:]}"
+            failure = f"{name}.py: exit status {run.returncode}: {run.stderr[-2000:]}"
     except subprocess.TimeoutExpired:
-        log(f"bench_gpu: stopped after {timeout:.0f} s; keeping the parts it finished")
+        log(f"{name}: stopped after {timeout:.0f} s; keeping the parts it finished")
     if os.path.exists(out):
         with open(out) as f:
-            bench["bench_gpu"] = json.load(f)
+            bench[key or name] = json.load(f)
     elif failure is None:
-        failure = "bench_gpu.py saved no result: no part finished in time"
+        failure = f"{name}.py saved no result: no part finished in time"
     if failure:
         raise RuntimeError(failure)
 

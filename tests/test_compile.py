@@ -670,6 +670,24 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
         assert 0 < case["distinct_rows"] <= 150
 
 
+def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(tmp_path):
+    """`gpu_check.run_script`, which runs `bench_lookup_kernel.py` and `bench_gpu.py` for the GPU check: the script's
+    JSON lands in the check's report; a script that fails raises with its error."""
+    import importlib.util
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(root, "benchmarks", "gpu_check.py"))
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    tiny = ["--device", "cpu", "--tokens", "130", "--d-ff", "32", "--vocab", "60", "--rounds", "1", "--inner", "1"]
+    bench = {}
+    check.run_script("bench_lookup_kernel", tiny, time.monotonic() + 300, bench, key="lookup_kernel", results=tmp_path)
+    assert [case["tokens"] for case in bench["lookup_kernel"]["cases"]] == [130, 130]
+    with pytest.raises(RuntimeError, match="exit status"):
+        check.run_script("bench_lookup_kernel", ["--no-such-flag"], time.monotonic() + 300, {}, results=tmp_path)
+
+
 def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
     """`benchmarks/profile_gpu.py` at a tiny shape on the CPU (the host-table variants need an accelerator; the offload
     engine serves a CPU model too): each variant's totals, and its top operators, the matrix products among them."""
