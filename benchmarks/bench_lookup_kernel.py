@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_gpu import save, sync
 from torch._inductor.utils import run_and_get_code
 
 from stem_hf.cli_args import positive_int
@@ -182,11 +183,6 @@ def unfused_forward(gate, table, index):
     return torch.nn.functional.silu(gate) * torch.nn.functional.embedding(index, table).to(gate.dtype)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_ms(fn: Callable[[], object], device: torch.device, rounds: int, inner: int) -> float:
     """Median over `rounds` of the mean milliseconds of `inner` calls (after two warm-up calls)."""
     fn(), fn()
@@ -278,10 +274,7 @@ def main() -> None:
         for n in tokens:
             report["cases"].append(case(args, device, table_dtype, n))
             print(json.dumps(report["cases"][-1]), flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out + ".tmp", "w") as f:
-                f.write(json.dumps(report, indent=2) + "\n")
-            os.replace(args.out + ".tmp", args.out)
+            save(report, args.out)
 
 
 if __name__ == "__main__":
