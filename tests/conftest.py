@@ -38,6 +38,17 @@ def tiny_model(**overrides) -> StemForCausalLM:
     return StemForCausalLM(tiny_config(**overrides)).eval()
 
 
+def benchmark_script(name: str):
+    """`benchmarks/{name}.py` imported as a module (its `main` not run), for tests of its helpers."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def sensitive_model(std: float = 1.0, **overrides) -> StemForCausalLM:
     """A tiny model whose tables matter to its outputs: the paper's xavier init is tiny, so rows are drawn larger."""
     torch.manual_seed(0)

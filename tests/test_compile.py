@@ -16,7 +16,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingC
 
 from stem_hf import modeling_stem
 from stem_hf.host_syncs import HostSyncCounter, train_step_syncs
-from tests.conftest import TINY, sensitive_model, tiny_model
+from tests.conftest import TINY, benchmark_script, sensitive_model, tiny_model
 
 
 def _ids(seed: int = 0, shape=(2, 12)) -> torch.Tensor:
@@ -622,12 +622,7 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
 def test_paired_decode_runs_the_variants_in_turn_round_by_round():
     """`bench_gpu.paired_decode`: one warm-up run of each variant, then each round runs them in turn, in reverse order
     every other round; each variant's median comes from its own timed rounds, and whether its runs repeated tokens."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_gpu.py")
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("bench_gpu")
     calls, times = [], {"a": iter([9.0, 1.0, 2.0, 3.0]), "b": iter([9.0, 5.0, 7.0, 6.0])}
     tokens = {"a": iter([torch.ones(2)] * 4), "b": iter([torch.ones(2)] * 3 + [torch.zeros(2)])}
 
@@ -673,13 +668,9 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
 def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(tmp_path):
     """`gpu_check.run_script`, which runs `bench_lookup_kernel.py` and `bench_gpu.py` for the GPU check: the script's
     JSON lands in the check's report; a script that fails raises with its error."""
-    import importlib.util
     import time
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(root, "benchmarks", "gpu_check.py"))
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = benchmark_script("gpu_check")
     tiny = ["--device", "cpu", "--tokens", "130", "--d-ff", "32", "--vocab", "60", "--rounds", "1", "--inner", "1"]
     bench = {}
     check.run_script("bench_lookup_kernel", tiny, time.monotonic() + 300, bench, key="lookup_kernel", results=tmp_path)

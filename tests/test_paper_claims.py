@@ -42,6 +42,7 @@ from stem_hf.lab.variants import (
     variant_config,
 )
 from stem_hf.modeling_stem import StemForCausalLM, StemTableMLP
+from tests.conftest import benchmark_script
 
 VOCAB = 300
 SETTINGS = LabSettings(steps=4, batch_size=4, context=16, warmup=0.0, lr=1e-2)
@@ -232,13 +233,7 @@ def test_claims_run_end_to_end_resumes_and_reports(tmp_path):
 def test_saved_result_keeps_curves_apart():
     """The JSON the docs quote holds no per-step curve (a curve value could pass for a misquoted figure); the curves
     file gives the plots back all of them."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "paper_claims.py"
-    spec = importlib.util.spec_from_file_location("paper_claims", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("paper_claims")
     run = {"train_loss": [1.0] * 10, "grad_norm": [None] * 10, "monitor_loss": [2.0] * 10, "spike_losses": [],
            "probes": [{"step": 0}], "spikes": [], "intermediate_size": 8}  # fmt: skip
     copy = lambda: json.loads(json.dumps(run))  # noqa: E731
