@@ -27,7 +27,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, LogitsPro
 
 from stem_hf import StemConfig, StemForCausalLM
 from stem_hf.accounting import flops_per_token
-from stem_hf.cli_args import int_at_least, positive_int
+from stem_hf.cli_args import int_at_least, positive_int, positive_ints
 from stem_hf.modeling_stem import FUSED_LOOKUP_MIN_TOKENS, fuses_lookups_on
 from stem_hf.offload import StemOffloadEngine
 from stem_hf.training import RowSparseAdamW, copy_table_grads_behind, param_groups, use_sparse_table_grads
@@ -281,7 +281,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, default=1024)
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--decode-batches", default="1,16,64")
+    parser.add_argument("--decode-batches", type=positive_ints, default="1,16,64")
     parser.add_argument("--prompt-len", type=positive_int, default=256)
     parser.add_argument("--new-tokens", type=int_at_least(2), default=64, help="a decode step needs two stamps")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd prefill and train steps, "
@@ -457,7 +457,7 @@ def run_decode(args, device: torch.device) -> dict:
     then, the tables moved to host memory, dense, host and engine with a row cache; each ratio against dense from the
     same rounds. Static-cache compiled decoding with `--compile`, timed on its own (each compile starts afresh).
     Tokens are compared with resident's."""
-    batches = [int(b) for b in args.decode_batches.split(",")]
+    batches = args.decode_batches
     prompts = {b: token_ids("zipf", (b, args.prompt_len), VOCAB[args.shape], device, seed=b) for b in batches}
     dtype = getattr(torch, args.dtype)
     dense, model = build(args.shape, None, device, dtype), build(args.shape, "1/2", device, dtype)

@@ -31,7 +31,7 @@ import torch
 from bench_gpu import save, sync
 from torch._inductor.utils import run_and_get_code
 
-from stem_hf.cli_args import positive_int
+from stem_hf.cli_args import positive_int, positive_ints
 from stem_hf.modeling_stem import gated_lookup, gated_lookup_grads, rows_dynamic
 
 
@@ -258,7 +258,7 @@ def case(args, device: torch.device, table_dtype: torch.dtype, tokens: int) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tokens", default="8192,16384", help="comma-separated token counts")
+    parser.add_argument("--tokens", type=positive_ints, default="8192,16384", help="comma-separated token counts")
     parser.add_argument("--d-ff", type=positive_int, default=5632)
     parser.add_argument("--vocab", type=positive_int, default=32000)
     parser.add_argument("--rounds", type=positive_int, default=5)
@@ -267,11 +267,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/bench_lookup_kernel.json")
     args = parser.parse_args()
     device = torch.device(args.device)
-    tokens = [int(t) for t in args.tokens.split(",")]
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "args": vars(args), "cases": []}  # fmt: skip
     for table_dtype in (torch.bfloat16, torch.float32):
-        for n in tokens:
+        for n in args.tokens:
             report["cases"].append(case(args, device, table_dtype, n))
             print(json.dumps(report["cases"][-1]), flush=True)
             save(report, args.out)

@@ -26,6 +26,15 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def positive_ints(text: str) -> list[int]:
+    """The type of an option that lists whole numbers of at least 1, comma-separated (`1,16,64`)."""
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        message = f"must be whole numbers of at least 1, comma-separated, not {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)
@@ -107,6 +116,7 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "positive_ints",
     "share",
     "utf8_text",
 ]

@@ -665,6 +665,23 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
         assert 0 < case["distinct_rows"] <= 150
 
 
+def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path):
+    """`--tokens` and `--decode-batches` take whole numbers of at least 1, comma-separated (`cli_args.positive_ints`);
+    anything else is refused by argparse, naming the option, and nothing is written."""
+    from stem_hf.cli_args import positive_ints
+
+    assert positive_ints("1,16,64") == [1, 16, 64]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for script, option in (("bench_lookup_kernel", "--tokens"), ("bench_gpu", "--decode-batches")):
+        for bad in ("1,x", "0", "1,,2"):
+            out = tmp_path / f"{script}.json"
+            command = [sys.executable, os.path.join(root, f"benchmarks/{script}.py"), "--device", "cpu", option, bad,
+                       "--out", str(out)]  # fmt: skip
+            run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+            assert run.returncode == 2 and f"argument {option}: must be whole numbers" in run.stderr, run.stderr
+            assert not out.exists()
+
+
 def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(tmp_path):
     """`gpu_check.run_script`, which runs `bench_lookup_kernel.py` and `bench_gpu.py` for the GPU check: the script's
     JSON lands in the check's report; a script that fails raises with its error."""
