@@ -141,12 +141,14 @@ def train_step_s(
     model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False
 ) -> float:
     """A train step: forward and loss, backward, the optimizer's step; with `compiled`, forward and backward through
-    `torch.compile(model, fullgraph=True)` (the optimizer's step eager)."""
+    `torch.compile(model)` (the optimizer's step eager), `fullgraph=True` unless the tables' gradients are sparse
+    (whose rows a compiled forward gathers outside the graph)."""
     model.train()
     forward = model
     if compiled:
         fresh_compiles()
-        forward = torch.compile(model, fullgraph=True)
+        sparse = any(table.sparse for table in getattr(model.base_model, "stem_tables", {}).values())
+        forward = torch.compile(model, fullgraph=not sparse)
     seconds = median_s(partial(one_step, forward, ids, optimizer), repeats, device)
     optimizer.zero_grad(set_to_none=True)
     model.eval()
@@ -374,19 +376,23 @@ def run_prefill(args, device: torch.device) -> dict:
 def run_train(args, device: torch.device) -> dict:
     """A train step with AdamW (dense, each ratio), RowSparseAdamW with sparse table gradients (StemTrainer's default
     path) and its resident row updates eager and compiled (`compiled_rows`, the default on CUDA; on the CPU with
-    `--compile` only), and, with host tables (1/2), both again; with `--compile`, AdamW with forward and backward
-    compiled."""
+    `--compile` only), and, with host tables (1/2), both again; with `--compile`, forward and backward compiled with
+    AdamW (dense table gradients) and with sparse table gradients and RowSparseAdamW (against dense compiled with each
+    optimizer)."""
     ids = token_ids("uniform", (args.batch_size, args.seq_len), VOCAB[args.shape], device)
     dense = build(args.shape, None, device, getattr(torch, args.dtype))
     dense_s = train_step_s(dense, ids, args.repeats, device, torch.optim.AdamW(dense.parameters(), lr=1e-5))
     # STEM's RowSparseAdamW runs are compared with dense under RowSparseAdamW too: like with like.
     dense_rs = train_step_s(dense, ids, args.repeats, device, RowSparseAdamW(param_groups(dense, lr=1e-5)))
     out = {"dense_adamw_ms": round(dense_s * 1e3, 3), "dense_row_sparse_adamw_ms": round(dense_rs * 1e3, 3)}
-    if args.compile:  # dense table gradients: inductor cannot compile a backward that makes sparse ones
+    if args.compile:
         adamw = torch.optim.AdamW(dense.parameters(), lr=1e-5)
         dense_compiled = train_step_s(dense, ids, args.repeats, device, adamw, compiled=True)
         out["dense_compiled_adamw_ms"] = round(dense_compiled * 1e3, 3)
-        del adamw  # it holds dense's weights and state
+        row_sparse = RowSparseAdamW(param_groups(dense, lr=1e-5))
+        dense_compiled_rs = train_step_s(dense, ids, args.repeats, device, row_sparse, compiled=True)
+        out["dense_compiled_row_sparse_adamw_ms"] = round(dense_compiled_rs * 1e3, 3)
+        del adamw, row_sparse  # they hold dense's weights and state
     del dense
     free()
     fuses = default_fuses(args, device)
@@ -416,6 +422,16 @@ def run_train(args, device: torch.device) -> dict:
             if device.type == "cuda":  # what the fused lookup's backward keeps (gate only) shows in a step's peak
                 for key, fused in (("peak_mib", fuses), ("other_lookup_peak_mib", not fuses)):
                     timed[key] = round(step_peak(model, ids, device, compiled_rows, fused) / 2**20, 1)
+            del compiled_rows
+        if args.compile:  # StemTrainer's path compiled: the tables' rows gathered outside the graph, once per forward
+            compiled_rows = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True), compiled_rows=True)
+            ms = train_step_s(model, ids, args.repeats, device, compiled_rows, compiled=True) * 1e3
+            row["compiled_row_sparse_adamw"] = {
+                "ms": round(ms, 3),
+                "speedup": round(dense_compiled_rs * 1e3 / ms, 3),
+                "vs_dense_compiled_adamw": round(dense_compiled * 1e3 / ms, 3),
+                "vs_eager": round(row["row_sparse_adamw_compiled_rows"]["ms"] / ms, 3),  # the same optimizer
+            }
             del compiled_rows
         if spec == "1/2" and device.type != "cpu":
             to_host(model)

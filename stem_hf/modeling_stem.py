@@ -9,6 +9,7 @@ Copied next to the weights by `save_pretrained`: imports nothing beyond torch an
 """
 
 import importlib.util
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -575,11 +576,17 @@ class StemTableRows:
         self._unique_here = None
         self._ahead: dict[int, Future] = {}
         self._served: set[int] = set()
+        # Rows gathered before the layers ask (under compile in training, outside the graph: `rows_outside_graph`).
+        self.gathered: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        if layer_idx in self.gathered:
+            return self.gathered[layer_idx]
         table = self.tables[str(layer_idx)]
         if table.weight.shape[0] == 0:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
+        if torch.compiler.is_compiling() and outside_graph(table):  # layers compiled one by one: this layer's alone
+            return rows_outside_graph(self.tables, self.stem_input_ids, (layer_idx,), None)[0]
         if not self.host_served(table):
             settle(table.weight)
             if self.distinct_grad(table):
@@ -711,6 +718,35 @@ class StemTableRows:
             ready.record(stream)
         rows.record_stream(main)  # made on the side stream, read on the main one
         return rows, ready
+
+
+# What dynamo says where it cannot leave a lookup out of the graph: under `fullgraph=True`. `reason` is torch 2.7's.
+_OUTSIDE_GRAPH = (
+    "STEM tables with sparse gradients (sparse=True, trainable) are looked up outside the compiled graph, which "
+    "fullgraph=True forbids: compile without fullgraph, or give the tables dense gradients (table.sparse = False)"
+)
+_DISABLE = {"reason": _OUTSIDE_GRAPH} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
+
+
+def outside_graph(table: nn.Module) -> bool:
+    """Whether, under torch.compile in training, `table`'s rows are gathered outside the graph
+    (`rows_outside_graph`): a table whose gradient is sparse (`sparse=True`) and that trains, which a compiled backward
+    cannot make (inductor takes dense tensors only)."""
+    weight = getattr(table, "weight", None)
+    if not (torch.is_grad_enabled() and getattr(table, "sparse", False) and isinstance(weight, torch.Tensor)):
+        return False
+    return weight.requires_grad and weight.device.type != "meta" and weight.shape[0] != 0
+
+
+@torch.compiler.disable(**_DISABLE)
+def rows_outside_graph(
+    tables: "StemTables", stem_input_ids: torch.LongTensor, layers: tuple[int, ...], dtype: torch.dtype | None
+) -> list[torch.Tensor]:
+    """Layers `layers`' rows of `stem_input_ids` (in `dtype`, if given), by the eager path (`StemTableRows` outside
+    any compile: sparse gradients over the distinct rows, host tables fetched ahead), for compiled code to take as
+    inputs."""
+    rows = StemTableRows(tables, stem_input_ids)
+    return [rows[layer] if dtype is None else rows[layer].to(dtype) for layer in layers]
 
 
 class StemSoftPromptRows:
@@ -1139,7 +1175,16 @@ class StemModel(StemPreTrainedModel):
                 f"sequence_length) = {(batch, length)}: give one table id per input position (with "
                 "`inputs_embeds`, fewer ids mean that the first positions are soft prompts without a token)"
             )
+        gathered = {}
+        if self.row_source is None and torch.compiler.is_compiling():
+            # One graph break per forward, here: never one inside the layers' loop, which dynamo would run eager.
+            layers = tuple(int(key) for key, table in self.stem_tables.items() if outside_graph(table))
+            if layers:
+                rows = rows_outside_graph(self.stem_tables, stem_input_ids, layers, inputs_embeds.dtype)
+                gathered = dict(zip(layers, rows, strict=True))
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
+        if gathered:
+            stem_rows.gathered.update(gathered)
         if num_soft:
             stem_rows = StemSoftPromptRows(stem_rows, num_soft)
         return stem_rows
@@ -1391,6 +1436,8 @@ __all__ = [
     "gated_lookup_grads",
     "gathered",
     "rows_dynamic",
+    "outside_graph",
+    "rows_outside_graph",
     "settle",
     "xavier_normal_std",
 ]

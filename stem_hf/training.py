@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from operator import itemgetter
 
 import torch
-from accelerate.utils import DynamoBackend, is_compiled_module
+from accelerate.utils import DynamoBackend
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
@@ -870,11 +870,11 @@ class StemTrainer(Trainer):
     `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a `[vocab, d_ff]`
     tensor) and clips with `clip_grad_norm`, for the length of `train()`: the model's tables are as they were before and
     after it. The default, None, turns them on where they are tested: one process, no FSDP, DeepSpeed, DataParallel or
-    compile (`torch_compile`, an accelerate dynamo backend, a compiled model), `row_sparse_tables`, the optimizer built
-    here (not passed in), and a trainable table, float32 or to be upcast by `train()`
-    (`StemTables.upcast_for_training`). True asks for them anyway (one process only, and not compiled: by
-    `torch_compile`, an accelerate dynamo backend or a model passed in compiled, since inductor cannot compile sparse
-    gradients); False keeps dense table gradients.
+    accelerate dynamo backend with `fullgraph`, `row_sparse_tables`, the optimizer built here (not passed in), and a
+    trainable table, float32 or to be upcast by `train()` (`StemTables.upcast_for_training`). Compiled
+    (`torch_compile`, an accelerate dynamo backend, a model passed in compiled), the tables' rows are gathered outside
+    the graph, once per forward (`modeling_stem.rows_outside_graph`), which `fullgraph` forbids. True asks for them
+    anyway (one process only, and not under a dynamo backend with `fullgraph`); False keeps dense table gradients.
 
     `write_behind_tables` has the tables that sit in host memory updated by a worker thread while the accelerator goes
     on (`RowSparseAdamW(write_behind=True)`), with sparse table gradients only. The default, False, steps the tables
@@ -921,12 +921,12 @@ class StemTrainer(Trainer):
         unsupported = unsupported or self.args.n_gpu > 1  # DataParallel: one process, replicas
         if sparse_table_grads and unsupported:
             raise ValueError("sparse_table_grads: one process only (not tested with DDP, FSDP or DeepSpeed)")
-        compiles = self._compiles()
-        if sparse_table_grads and compiles:
+        fullgraph = self._compiles_fullgraph()
+        if sparse_table_grads and fullgraph:
             raise ValueError(
-                "sparse_table_grads with torch.compile (args.torch_compile, an accelerate dynamo backend or a model "
-                "passed in compiled): a backward that makes sparse gradients does not compile (inductor fails at the "
-                "first step); leave sparse_table_grads unset (dense table gradients under compile)"
+                "sparse_table_grads with an accelerate dynamo backend with fullgraph: a compiled forward gathers the "
+                "rows of tables with sparse gradients outside the graph, which fullgraph forbids; compile without "
+                "fullgraph, or leave sparse_table_grads unset (dense table gradients under fullgraph)"
             )
         if sparse_table_grads is None:
             sparse_table_grads = (
@@ -934,7 +934,7 @@ class StemTrainer(Trainer):
                 and self.optimizer is None  # one passed in may not take sparse gradients
                 and row_sparse_tables
                 and not unsupported
-                and not compiles
+                and not fullgraph
             )
         self.row_sparse_tables = row_sparse_tables or sparse_table_grads  # sparse gradients need the row groups
         self.sparse_table_grads = sparse_table_grads
@@ -945,14 +945,13 @@ class StemTrainer(Trainer):
             )
         self.write_behind_tables = write_behind_tables
 
-    def _compiles(self) -> bool:
-        """Whether training runs the model compiled: `args.torch_compile`, an accelerate dynamo backend (`accelerate
-        launch --dynamo_backend`, `ACCELERATE_DYNAMO_BACKEND`, which Trainer's accelerator takes up), or a model passed
-        in compiled."""
+    def _compiles_fullgraph(self) -> bool:
+        """Whether training compiles the model through an accelerate dynamo backend with `fullgraph` (`accelerate
+        launch --dynamo_use_fullgraph`, `ACCELERATE_DYNAMO_USE_FULLGRAPH`, which Trainer's accelerator takes up)."""
         plugin = getattr(self.accelerator.state, "dynamo_plugin", None)
         backend = getattr(plugin, "backend", None)
         dynamo = backend is not None and backend != DynamoBackend.NO
-        return bool(self.args.torch_compile or dynamo or is_compiled_module(self.model))
+        return bool(dynamo and getattr(plugin, "fullgraph", False))
 
     def _tables_can_take_sparse_grads(self) -> bool:
         """A trainable table, each in float32 or to be upcast by `train()`, none on the meta device."""

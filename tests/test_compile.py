@@ -587,7 +587,7 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
             assert timed["fused_lookup"] is False and report["prefill"]["fused_lookup_by_default"] is False
             expected = timed["resident_ms"] / timed["other_lookup_ms"]
             assert timed["fused_over_unfused"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
-    assert report["train"]["dense_compiled_adamw_ms"] > 0
+    assert report["train"]["dense_compiled_adamw_ms"] > 0 and report["train"]["dense_compiled_row_sparse_adamw_ms"] > 0
     for spec in ("1/2", "full"):
         row = report["train"][spec]
         assert row["predicted_speedup"] > 1 and row["adamw"]["ms"] > 0 and row["row_sparse_adamw"]["ms"] > 0
@@ -600,6 +600,12 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         assert rows["fused_lookup"] is False and rows["fused_over_unfused"] == pytest.approx(
             rows["ms"] / rows["other_lookup_ms"], rel=1e-2, abs=2e-3
         )  # the CPU's default does not fuse; the fused lookup trained the same step
+        compiled = row["compiled_row_sparse_adamw"]  # sparse table gradients, the model compiled
+        expected = report["train"]["dense_compiled_row_sparse_adamw_ms"] / compiled["ms"]
+        assert compiled["speedup"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
+        expected = report["train"]["dense_compiled_adamw_ms"] / compiled["ms"]
+        assert compiled["vs_dense_compiled_adamw"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
+        assert compiled["vs_eager"] == pytest.approx(rows["ms"] / compiled["ms"], rel=1e-2, abs=2e-3)
     for batch in ("batch_1", "batch_2"):
         assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True
         assert report["decode"][batch]["dense_same_tokens_across_runs"] is True  # a CPU's kernels: repeatable
@@ -732,3 +738,78 @@ def test_an_out_of_range_id_under_torch_compile_fails_and_generate_names_it():
         model.generate(torch.tensor([[1, 500]]), max_new_tokens=1)
     with pytest.raises(ValueError, match=r"input_ids holds token id 500, outside \[0, 96\)"):
         model(torch.tensor([[1, 500]]))  # an eager forward still checks
+
+
+# Compiled training with sparse table gradients (issue 36): the rows outside the graph, the layers inside it
+
+
+def _sparse_step(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name.removeprefix("_orig_mod."): param.grad for name, param in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_compiled_training_keeps_sparse_table_gradients_with_one_graph_break_before_the_layers(monkeypatch):
+    """Under `torch.compile` (inductor) a sparse table's rows are gathered by the eager path outside the graph, once per
+    forward: the tables' gradients are sparse over the batch's distinct rows and equal eager's, every other gradient
+    too, and the layers' loop compiles whole (as many graphs at 2 layers as at 6: none per layer). Without gradients
+    the forward compiles with `fullgraph=True`; with them `fullgraph=True` fails and says why."""
+    from torch._dynamo.utils import counters
+
+    from stem_hf.training import use_sparse_table_grads
+
+    calls = []
+    gather = modeling_stem.rows_outside_graph
+
+    @torch.compiler.disable
+    def counted(*args):
+        calls.append(args[2])
+        return gather(*args)
+
+    monkeypatch.setattr(modeling_stem, "rows_outside_graph", counted)
+    ids = _ids(3, (2, 10))
+    graphs = {}
+    for layers in (2, 6):
+        model = sensitive_model(num_hidden_layers=layers, stem_layers="full").train()
+        use_sparse_table_grads(model)
+        eager_loss, eager = _sparse_step(model, ids)
+        assert not calls  # eager: nothing gathered ahead
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model)
+        for _ in range(2):  # the second step recompiles nothing
+            loss, grads = _sparse_step(compiled, ids)
+        graphs[layers] = counters["stats"]["unique_graphs"]
+        assert calls == [tuple(range(1, layers))] * 2  # every table ("full": each layer but 0), once per forward
+        calls.clear()
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+        for name, grad in grads.items():
+            if ".stem_tables." in name:
+                assert grad.is_sparse and eager[name].is_sparse, name
+                assert torch.equal(grad.coalesce().indices()[0], ids.unique()), name  # the batch's rows only
+                grad, reference = grad.to_dense(), eager[name].to_dense()
+            else:
+                reference = eager[name]
+            torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-5, msg=name)
+    assert graphs[2] == graphs[6], graphs
+    # Layers compiled one by one (accelerate's regional compilation): each gathers its own rows outside its graph.
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile()
+    loss, grads = _sparse_step(model, ids)
+    assert calls == [(layer,) for layer in range(1, 6)]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        sparse = ".stem_tables." in name
+        assert grad.is_sparse is sparse, name
+        torch.testing.assert_close(grad.to_dense(), eager[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
+    monkeypatch.undo()  # the model's own function, whose reason dynamo gives
+    torch._dynamo.reset()  # what the compiles above cached would serve the calls below
+    with torch.no_grad():
+        logits = torch.compile(model, fullgraph=True)(ids).logits
+    torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="compile without fullgraph"):
+        torch.compile(model, fullgraph=True)(ids, labels=ids)

@@ -845,29 +845,66 @@ def test_write_behind_needs_the_row_sparse_optimizer_and_sparse_table_grads(tmp_
     assert trainer.sparse_table_grads and not trainer.write_behind_tables  # on the CPU nothing computes meanwhile
 
 
-def test_sparse_table_grads_under_torch_compile_are_refused_before_training(tmp_path, monkeypatch):
-    """Inductor cannot compile a backward that makes sparse gradients: asked for both, StemTrainer says so at once;
-    by default, compile gets dense table gradients."""
+def test_stem_trainer_keeps_sparse_table_grads_under_torch_compile_but_not_under_fullgraph(tmp_path, monkeypatch):
+    """Compiled, the tables' rows are gathered outside the graph (`modeling_stem.rows_outside_graph`): sparse table
+    gradients stay StemTrainer's default however training compiles, but not under an accelerate dynamo backend with
+    fullgraph, which forbids that graph break: asked for there, they are refused at once."""
     from accelerate.state import AcceleratorState
 
     model = _stem()
-    with pytest.raises(ValueError, match="sparse_table_grads with torch.compile"):
-        StemTrainer(model=model, args=_args(tmp_path, torch_compile=True), sparse_table_grads=True)
-    trainer = StemTrainer(model=model, args=_args(tmp_path, torch_compile=True), train_dataset=_dataset(4))
-    assert not trainer.sparse_table_grads and not trainer.write_behind_tables
+    assert StemTrainer(model=model, args=_args(tmp_path, torch_compile=True)).sparse_table_grads
     # Compiled another way: a model passed in compiled, and accelerate's dynamo backend, which `accelerate launch
     # --dynamo_backend` sets through this variable and Trainer's accelerator takes up, with args.torch_compile False.
-    trainer = StemTrainer(model=torch.compile(model), args=_args(tmp_path), train_dataset=_dataset(4))
-    assert not trainer.sparse_table_grads
+    assert StemTrainer(model=torch.compile(model), args=_args(tmp_path)).sparse_table_grads
     AcceleratorState._reset_state(True)
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
     try:
-        with pytest.raises(ValueError, match="sparse_table_grads with torch.compile"):
+        trainer = StemTrainer(model=model, args=_args(tmp_path))
+        assert not trainer.args.torch_compile and trainer.sparse_table_grads
+        AcceleratorState._reset_state(True)
+        monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "true")
+        with pytest.raises(ValueError, match="sparse_table_grads with an accelerate dynamo backend with fullgraph"):
             StemTrainer(model=model, args=_args(tmp_path), sparse_table_grads=True)
-        trainer = StemTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset(4))
-        assert not trainer.args.torch_compile and not trainer.sparse_table_grads
+        AcceleratorState._reset_state(True)
+        assert not StemTrainer(model=model, args=_args(tmp_path)).sparse_table_grads
     finally:
         AcceleratorState._reset_state(True)  # the next test's accelerator without the backend
+
+
+@pytest.mark.slow
+def test_stem_trainer_compiled_trains_the_tables_row_sparse_as_eager(tmp_path, monkeypatch):
+    """`StemTrainer(args.torch_compile=True)`: sparse table gradients and RowSparseAdamW, the model compiled by
+    inductor, give the weights and losses of the same run eager (accumulation and clipping included)."""
+    from stem_hf import modeling_stem
+
+    calls, gather = [], modeling_stem.rows_outside_graph
+    monkeypatch.setattr(
+        modeling_stem, "rows_outside_graph", torch.compiler.disable(lambda *a: calls.append(a) or gather(*a))
+    )
+    models, losses = [], []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _stem()
+        args = _args(
+            tmp_path,
+            max_steps=3,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_grad_norm=0.5,
+            adam_epsilon=1e-3,  # Adam moves a weight whose gradient is rounding noise by up to the rate: not here
+            torch_compile=compiled,
+        )
+        trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(12))
+        assert trainer.sparse_table_grads
+        trainer.train()
+        models.append(model)
+        losses.append([log["loss"] for log in trainer.state.log_history if "loss" in log])
+        assert len(calls) == (6 if compiled else 0)  # compiled: each forward (3 steps of 2) gathers outside the graph
+    assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(models[0].parameters(), _stem().parameters(), strict=True))
 
 
 def test_state_bytes_of_the_options_at_the_paper_1b_shape():
