@@ -42,6 +42,14 @@ VOCAB = {"0.75b": 32000, "medium": 16384, "small": 8192, "tiny": 512}
 SPECS = ("1/3", "1/2", "full")
 
 
+def specs(text: str) -> list[str]:
+    """The type of `--specs`: STEM ratios among `SPECS`, comma-separated."""
+    chosen = text.split(",")
+    if not chosen or any(spec not in SPECS for spec in chosen):
+        raise argparse.ArgumentTypeError(f"must be among {', '.join(SPECS)}, comma-separated, not {text!r}")
+    return chosen
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -290,6 +298,8 @@ def main() -> None:
                         "and static-cache compiled decoding")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, train, decode")
+    parser.add_argument("--specs", type=specs, default=",".join(SPECS), help="STEM ratios of prefill and train "
+                        "(train times 1/2 and full only; decode 1/2 whatever this says)")  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/bench_gpu.json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -322,7 +332,7 @@ def run_prefill(args, device: torch.device) -> dict:
     out, dense_times = {"dense_ms": {}}, {"uniform": [], "zipf": [], "compiled": []}
     fuses = default_fuses(args, device)
     out["fused_lookup_by_default"] = fuses
-    for spec in tqdm(SPECS, desc="prefill"):
+    for spec in tqdm([spec for spec in SPECS if spec in args.specs], desc="prefill"):
         model = build(args.shape, spec, device, dtype)
         context = (args.seq_len + 1) / 2
         row = {"predicted_speedup": round(predicted(model.config, context), 3)}
@@ -397,7 +407,7 @@ def run_train(args, device: torch.device) -> dict:
     free()
     fuses = default_fuses(args, device)
     out["fused_lookup_by_default"] = fuses
-    for spec in tqdm(("1/2", "full"), desc="train"):
+    for spec in tqdm([spec for spec in ("1/2", "full") if spec in args.specs], desc="train"):
         model = build(args.shape, spec, device, getattr(torch, args.dtype))
         row = {"predicted_speedup": round(predicted(model.config, (args.seq_len + 1) / 2), 3)}
         adamw = train_step_s(model, ids, args.repeats, device, torch.optim.AdamW(model.parameters(), lr=1e-5))

@@ -1,23 +1,28 @@
 """Where the time goes: `torch.profiler` over one prefill (dense, STEM-full resident, STEM-1/2 with host tables and
 through `StemOffloadEngine`), one train step (dense and STEM-1/2 resident with `RowSparseAdamW`, STEM-1/2 with host
 tables) and a greedy decode of 16 tokens at batch 64 (dense, STEM-1/2 resident and host) at `bench_gpu.py`'s shapes.
-Saves, per variant, the step's wall time, the device's kernel time, the operators' own host time, and the operators
-that take the most device time and the most host time.
+Saves, per variant, the step's wall time, the device's kernel time, the operators' own host time, the matrix products'
+device time, and the operators that take the most device time and the most host time; and, per STEM variant profiled
+beside its dense one, what STEM saves in matrix products and the speedup those alone would give (`bounds`: how far
+the FLOPs STEM removes can carry where matrix products are only part of a step).
 
     python benchmarks/profile_gpu.py                          # CUDA, the 0.75B shape, batch 8 x 1024
     python benchmarks/profile_gpu.py --device cpu --shape tiny --seq-len 64 --out /tmp/profile.json
+    python benchmarks/profile_gpu.py --bounds-of benchmarks/results/profile_gpu.json --out /tmp/bounds.json
 """
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 
 import torch
-from bench_gpu import VOCAB, build, free, save, sync, to_host, token_ids
+from bench_gpu import VOCAB, build, config_kwargs, free, save, sync, to_host, token_ids
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from stem_hf import StemConfig
 from stem_hf.cli_args import positive_int
 from stem_hf.offload import StemOffloadEngine
 from stem_hf.training import RowSparseAdamW, param_groups, use_sparse_table_grads
@@ -35,6 +40,7 @@ VARIANTS = {  # name: (what, STEM spec or None for dense, where the tables are)
     "decode_b64_stem_1_2_host": ("decode", "1/2", "host"),
 }
 DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 64, 256, 16
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
 def profiled(step: Callable[[], object], device: torch.device, top: int) -> dict:
@@ -71,9 +77,45 @@ def profiled(step: Callable[[], object], device: torch.device, top: int) -> dict
         "wall_ms": round(wall * 1e3, 3),  # under the profiler, which adds host time
         "device_ms": round(sum(device_us(e) for e in (kernels if on_device else ops)) / 1e3, 3),
         "host_ms": round(sum(e.self_cpu_time_total for e in ops) / 1e3, 3),
+        "matmul_device_ms": round(sum(device_us(e) for e in ops if e.key in MATMULS) / 1e3, 3),
         "top_device": rows(device_us),
         "top_host": rows(lambda e: e.self_cpu_time_total),
     }
+
+
+def matmul_ms(variant: dict) -> float:
+    """A variant's matrix products' device time: summed over every operator, or (a profile saved before that sum was)
+    over its top operators."""
+    if "matmul_device_ms" in variant:
+        return variant["matmul_device_ms"]
+    return sum(row["device_ms"] for row in variant["top_device"] if row["op"] in MATMULS)
+
+
+def bounds(report: dict) -> dict:
+    """Per STEM variant profiled beside its dense one (same what, resident tables), in device time (the kernels', which
+    the profiler's host cost leaves out): the matrix products STEM saves, per STEM layer, and their share of dense's
+    time; what STEM adds besides (its time minus dense's, plus what it saved); and the speedup over dense were the
+    saved matrix products STEM's only change, dense / (dense - saved), for its STEM layers and, scaled by layers, for
+    STEM-full. FLOPs predict more where the matrix products are less than all of the time."""
+    shape, out = report["args"]["shape"], {}
+    for name, (what, spec, tables) in VARIANTS.items():
+        dense = next((k for k, v in VARIANTS.items() if v == (what, None, "resident")), None)
+        if spec is None or tables != "resident" or name not in report or dense not in report:
+            continue
+        layers = {s: len(StemConfig(**config_kwargs(shape), stem_layers=s).stem_layers) for s in (spec, "full")}
+        time, saved = report[dense]["device_ms"], matmul_ms(report[dense]) - matmul_ms(report[name])
+        per_layer = saved / layers[spec]
+        out[name] = {
+            "dense": dense,
+            "stem_layers": layers[spec],
+            "matmul_saved_ms": round(saved, 3),
+            "matmul_saved_per_stem_layer_ms": round(per_layer, 3),
+            "matmul_share_of_dense": round(matmul_ms(report[dense]) / time, 3),
+            "stem_adds_ms": round(report[name]["device_ms"] - time + saved, 3),
+            "speedup_matmuls_alone": round(time / (time - saved), 3),
+            "speedup_matmuls_alone_full": round(time / (time - per_layer * layers["full"]), 3),
+        }
+    return out
 
 
 def main() -> None:
@@ -85,7 +127,17 @@ def main() -> None:
     parser.add_argument("--top", type=positive_int, default=30)
     parser.add_argument("--only", default="", help="comma-separated variants (default: all): " + ", ".join(VARIANTS))
     parser.add_argument("--out", default="benchmarks/results/profile_gpu.json")
+    parser.add_argument("--bounds-of", help="a saved profile: write its `bounds` to --out, profile nothing")
     args = parser.parse_args()
+    if args.bounds_of:
+        if os.path.abspath(args.bounds_of) == os.path.abspath(args.out):
+            parser.error("--out is the profile read: give another path")
+        with open(args.bounds_of) as f:
+            profile_report = json.load(f)
+        result = {"profile": args.bounds_of, "bounds": bounds(profile_report)}
+        save(result, args.out)
+        print(json.dumps(result, indent=2))
+        return
     device = torch.device(args.device)
     only = set(filter(None, args.only.split(","))) or set(VARIANTS)
     if only - set(VARIANTS):
@@ -134,8 +186,10 @@ def main() -> None:
         optimizer = None  # a train variant's state goes with its model, before the next variant is built
         free()
         save(report, args.out)
+    report["bounds"] = bounds(report)
+    save(report, args.out)
     summary = {k: {m: v[m] for m in ("wall_ms", "device_ms", "host_ms")} for k, v in report.items() if k in VARIANTS}
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({**summary, "bounds": report["bounds"]}, indent=2))
 
 
 if __name__ == "__main__":

@@ -672,8 +672,9 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
 
 
 def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path):
-    """`--tokens` and `--decode-batches` take whole numbers of at least 1, comma-separated (`cli_args.positive_ints`);
-    anything else is refused by argparse, naming the option, and nothing is written."""
+    """`--tokens` and `--decode-batches` take whole numbers of at least 1, comma-separated (`cli_args.positive_ints`),
+    `--specs` STEM ratios the benchmark knows; anything else is refused by argparse, naming the option, and nothing is
+    written."""
     from stem_hf.cli_args import positive_ints
 
     assert positive_ints("1,16,64") == [1, 16, 64]
@@ -686,6 +687,13 @@ def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path)
             run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
             assert run.returncode == 2 and f"argument {option}: must be whole numbers" in run.stderr, run.stderr
             assert not out.exists()
+    assert benchmark_script("bench_gpu").specs("full,1/2") == ["full", "1/2"]
+    for bad in ("1/4", "1/2,", "half"):  # `--specs`: STEM ratios the benchmark knows
+        command = [sys.executable, os.path.join(root, "benchmarks/bench_gpu.py"), "--device", "cpu", "--specs", bad,
+                   "--out", str(tmp_path / "specs.json")]  # fmt: skip
+        run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+        assert run.returncode == 2 and "argument --specs: must be among 1/3, 1/2, full" in run.stderr, run.stderr
+        assert not (tmp_path / "specs.json").exists()
 
 
 def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(tmp_path):
@@ -704,7 +712,8 @@ def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(t
 
 def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
     """`benchmarks/profile_gpu.py` at a tiny shape on the CPU (the host-table variants need an accelerator; the offload
-    engine serves a CPU model too): each variant's totals, and its top operators, the matrix products among them."""
+    engine serves a CPU model too): each variant's totals, and its top operators, the matrix products among them; what
+    each STEM variant saves in matrix products beside its dense one, again from the saved profile."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "profile.json"
     command = [sys.executable, os.path.join(root, "benchmarks/profile_gpu.py"), "--device", "cpu", "--shape", "tiny",
@@ -719,6 +728,27 @@ def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
         row = report[name]
         assert row["wall_ms"] > 0 and row["device_ms"] > 0 and row["host_ms"] > 0
         assert "aten::mm" in {op["op"] for op in row["top_device"]}
+        assert 0 < row["matmul_device_ms"] < row["device_ms"]
+    # What STEM saves in matrix products, beside its dense variant: the speedup those alone give, by hand.
+    bounds = report["bounds"]
+    assert bounds.keys() == {"prefill_stem_full_resident", "train_stem_1_2_resident", "decode_b64_stem_1_2_resident"}
+    for name, bound in bounds.items():
+        dense, stem = report[bound["dense"]], report[name]
+        saved = dense["matmul_device_ms"] - stem["matmul_device_ms"]
+        assert bound["matmul_saved_ms"] == pytest.approx(saved, abs=2e-3)  # its sign: noise at this shape
+        expected = dense["device_ms"] / (dense["device_ms"] - saved)
+        assert bound["speedup_matmuls_alone"] == pytest.approx(expected, abs=2e-3)
+    assert bounds["train_stem_1_2_resident"]["stem_layers"] == 2  # tiny: 4 layers, 1 and 3
+    assert bounds["prefill_stem_full_resident"]["speedup_matmuls_alone_full"] == pytest.approx(
+        bounds["prefill_stem_full_resident"]["speedup_matmuls_alone"], abs=2e-3
+    )  # full is full
+    again = subprocess.run(command[:2] + ["--bounds-of", str(out), "--out", str(tmp_path / "bounds.json")],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((tmp_path / "bounds.json").read_text())["bounds"] == bounds
+    bad = subprocess.run(command[:2] + ["--bounds-of", str(out), "--out", str(out)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    assert bad.returncode == 2 and "--out is the profile read" in bad.stderr
     bad = subprocess.run(command[:2] + ["--only", "prefill_nope"], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": root})  # fmt: skip
     assert bad.returncode == 2 and "prefill_nope" in bad.stderr
