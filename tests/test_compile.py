@@ -843,3 +843,27 @@ def test_compiled_training_keeps_sparse_table_gradients_with_one_graph_break_bef
     torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="compile without fullgraph"):
         torch.compile(model, fullgraph=True)(ids, labels=ids)
+
+
+@pytest.mark.slow
+def test_compiled_training_fetches_host_tables_rows_ahead_outside_the_graph(monkeypatch):
+    """Tables in host memory (routed here on the CPU, as the host path's tests do) under `torch.compile` in training:
+    outside the graph their rows come by the host path, fetched ahead by the worker (`_fetch`, once per table and
+    forward), with sparse gradients over the batch's distinct rows (`StemHostRowsGrad`), equal to eager's."""
+    from stem_hf.training import use_sparse_table_grads
+
+    monkeypatch.setattr(modeling_stem.StemTableRows, "host_served", lambda self, table: True)
+    fetched, fetch = [], modeling_stem.StemTableRows._fetch
+    monkeypatch.setattr(modeling_stem.StemTableRows, "_fetch", lambda self, *a: fetched.append(1) or fetch(self, *a))
+    ids = _ids(4, (2, 10))
+    model = sensitive_model().train()
+    use_sparse_table_grads(model)
+    eager_loss, eager = _sparse_step(model, ids)
+    assert len(fetched) == 2  # two tables, one forward
+    torch._dynamo.reset()
+    loss, grads = _sparse_step(torch.compile(model), ids)
+    assert len(fetched) == 4
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        assert grad.is_sparse is (".stem_tables." in name), name
+        torch.testing.assert_close(grad.to_dense(), eager[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
