@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
+from torch._dynamo.utils import counters
 from tqdm import tqdm
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
@@ -42,10 +43,26 @@ VOCAB = {"0.75b": 32000, "medium": 16384, "small": 8192, "tiny": 512}
 SPECS = ("1/3", "1/2", "full")
 
 
+SKIPPABLE = ("prefill", "train", "decode", "host")
+
+
+def skips(text: str) -> set[str]:
+    """The type of `--skip`: parts among `SKIPPABLE`, comma-separated (empty: none)."""
+    chosen = set(filter(None, text.split(",")))
+    if chosen - set(SKIPPABLE):
+        raise argparse.ArgumentTypeError(f"must be among {', '.join(SKIPPABLE)}, comma-separated, not {text!r}")
+    return chosen
+
+
+def hosts(args, device: torch.device) -> bool:
+    """Whether the host-table and engine cases run: on an accelerator (on a CPU, host is resident), unless skipped."""
+    return device.type != "cpu" and "host" not in args.skip
+
+
 def specs(text: str) -> list[str]:
     """The type of `--specs`: STEM ratios among `SPECS`, comma-separated."""
     chosen = text.split(",")
-    if not chosen or any(spec not in SPECS for spec in chosen):
+    if len(set(chosen)) < len(chosen) or any(spec not in SPECS for spec in chosen):
         raise argparse.ArgumentTypeError(f"must be among {', '.join(SPECS)}, comma-separated, not {text!r}")
     return chosen
 
@@ -146,15 +163,17 @@ def prefill(model, ids: torch.Tensor, repeats: int, device: torch.device) -> flo
 
 
 def train_step_s(
-    model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False
+    model, ids: torch.Tensor, repeats: int, device: torch.device, optimizer, compiled: bool = False, fresh: bool = True
 ) -> float:
     """A train step: forward and loss, backward, the optimizer's step; with `compiled`, forward and backward through
     `torch.compile(model)` (the optimizer's step eager), `fullgraph=True` unless the tables' gradients are sparse
-    (whose rows a compiled forward gathers outside the graph)."""
+    (whose rows a compiled forward gathers outside the graph), from fresh compiles unless `fresh` is False (the same
+    model compiled just before: its graphs serve again)."""
     model.train()
     forward = model
     if compiled:
-        fresh_compiles()
+        if fresh:
+            fresh_compiles()
         sparse = any(table.sparse for table in getattr(model.base_model, "stem_tables", {}).values())
         forward = torch.compile(model, fullgraph=not sparse)
     seconds = median_s(partial(one_step, forward, ids, optimizer), repeats, device)
@@ -297,17 +316,18 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd prefill and train steps, "
                         "and static-cache compiled decoding")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, train, decode")
+    parser.add_argument("--skip", type=skips, default="", help="comma-separated parts to leave out: "
+                        "prefill, train, decode, host (the host-table and engine cases of each)")  # fmt: skip
     parser.add_argument("--specs", type=specs, default=",".join(SPECS), help="STEM ratios of prefill and train "
                         "(train times 1/2 and full only; decode 1/2 whatever this says)")  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/bench_gpu.json")
     args = parser.parse_args()
     device = torch.device(args.device)
-    skip = set(filter(None, args.skip.split(",")))
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args),
+    given = {**vars(args), "skip": ",".join(sorted(args.skip))}  # as typed: a set is no JSON
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": given,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "complete": False}  # fmt: skip
     for name, run in (("prefill", run_prefill), ("train", run_train), ("decode", run_decode)):
-        if name not in skip:
+        if name not in args.skip:
             report[name] = run(args, device)
             save(report, args.out)  # after each part: a run stopped by a time limit keeps what it measured
     report["complete"] = True
@@ -363,7 +383,7 @@ def run_prefill(args, device: torch.device) -> dict:
                     other_lookup_speedup=round(dense_ms / other_ms, 3),
                     fused_over_unfused=round(unfused_ms / fused_ms, 3),
                 )
-        if spec != "1/3" and device.type != "cpu":
+        if spec != "1/3" and hosts(args, device):
             to_host(model)
             for kind, x in ids.items():
                 host = prefill(model, x, args.repeats, device)
@@ -400,7 +420,7 @@ def run_train(args, device: torch.device) -> dict:
         dense_compiled = train_step_s(dense, ids, args.repeats, device, adamw, compiled=True)
         out["dense_compiled_adamw_ms"] = round(dense_compiled * 1e3, 3)
         row_sparse = RowSparseAdamW(param_groups(dense, lr=1e-5))
-        dense_compiled_rs = train_step_s(dense, ids, args.repeats, device, row_sparse, compiled=True)
+        dense_compiled_rs = train_step_s(dense, ids, args.repeats, device, row_sparse, compiled=True, fresh=False)
         out["dense_compiled_row_sparse_adamw_ms"] = round(dense_compiled_rs * 1e3, 3)
         del adamw, row_sparse  # they hold dense's weights and state
     del dense
@@ -435,15 +455,17 @@ def run_train(args, device: torch.device) -> dict:
             del compiled_rows
         if args.compile:  # StemTrainer's path compiled: the tables' rows gathered outside the graph, once per forward
             compiled_rows = RowSparseAdamW(param_groups(model, lr=1e-5, row_sparse_tables=True), compiled_rows=True)
+            counters.clear()
             ms = train_step_s(model, ids, args.repeats, device, compiled_rows, compiled=True) * 1e3
             row["compiled_row_sparse_adamw"] = {
                 "ms": round(ms, 3),
+                "graphs": counters["stats"]["unique_graphs"],  # dynamo's: none would mean it ran eager
                 "speedup": round(dense_compiled_rs * 1e3 / ms, 3),
                 "vs_dense_compiled_adamw": round(dense_compiled * 1e3 / ms, 3),
                 "vs_eager": round(row["row_sparse_adamw_compiled_rows"]["ms"] / ms, 3),  # the same optimizer
             }
             del compiled_rows
-        if spec == "1/2" and device.type != "cpu":
+        if spec == "1/2" and hosts(args, device):
             to_host(model)
             copy_table_grads_behind(model)  # as StemTrainer marks them for the model's own loss
             # StemTrainer's default over host tables: rows fetched ahead, row gradients back to a host optimizer.
@@ -467,7 +489,7 @@ def run_train(args, device: torch.device) -> dict:
             del host_sparse, behind
         use_sparse_table_grads(model, enable=False)
         copy_table_grads_behind(model, enable=False)
-        if spec == "1/2" and device.type != "cpu":
+        if spec == "1/2" and hosts(args, device):
             host = train_step_s(model, ids, args.repeats, device, torch.optim.AdamW(model.parameters(), lr=1e-5))
             # torch's AdamW over host tables: dense [vocab, d_ff] gradients on the host, no foreach (two devices).
             row["host_adamw_dense_grads"] = {"ms": round(host * 1e3, 3), "vs_resident": round(adamw / host, 3)}
@@ -510,7 +532,7 @@ def run_decode(args, device: torch.device) -> dict:
             static[name] = {b: decode_step_s(which, p, args.new_tokens, args.repeats, device, **compiled)
                             for b, p in prompts.items()}  # fmt: skip
         phases.append({b: {name: static[name][b] for name in static} for b in batches})
-    if device.type != "cpu":
+    if hosts(args, device):
         to_host(model)
         engine = StemOffloadEngine(model, cache_tokens=4096, device=device)
         host = {
@@ -524,7 +546,7 @@ def run_decode(args, device: torch.device) -> dict:
             logits["engine"] = last_logits(model, prompts)
     out = {"predicted_speedup": round(predicted(model.config, context), 3), "fused_lookup_by_default": fuses}
     del dense, model, resident
-    if device.type != "cpu":
+    if hosts(args, device):
         del engine, host
     free()
     for b in batches:

@@ -21,6 +21,8 @@ With one:
 4. `benchmarks/bench_gpu.py` in a subprocess, with what is left of the budget: STEM against a dense Llama at a 0.75B
    shape (prefill, train step with its optimizer, decode; resident, host and engine tables), each ratio beside its
    FLOP prediction (`docs/gpu.md`).
+5. `benchmarks/profile_gpu.py` in a subprocess, if time is left: prefill and a train step of dense and STEM profiled
+   beside each other (what STEM saves in matrix products, `bounds`), and the host-table and engine prefills.
 
 Every part is time-boxed (`--budget-s`, default 570 s: the whole check stays under 10 minutes); a part that would not
 fit is reported as skipped, and a watchdog prints what was measured so far if the budget runs out anyway. `parts` in
@@ -476,6 +478,7 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
     # The lookup's kernels first (about a minute, its compiles included), so bench_gpu keeps the rest of the budget.
     part("lookup_kernel", 150, lambda: lookup_kernel(min(deadline, time.monotonic() + 90), quick, bench))
     part("bench_gpu", 90, lambda: bench_gpu(deadline, quick, bench))
+    part("profile", 60, lambda: profile(deadline, bench))
     host = decode.get("host_tables", {})
     for name in ("offload_no_cache", "offload_cache_4096", "offload_int8_cache_4096", "resident"):
         if name in decode and host:
@@ -493,6 +496,17 @@ def bench_gpu(deadline: float, quick: bool, bench: dict) -> None:
     keeps the parts it saved, with the error, and raises."""
     quick_args = ["--repeats", "2", "--seq-len", "512", "--new-tokens", "16", "--decode-batches", "1,16"]
     run_script("bench_gpu", quick_args if quick else [], deadline, bench)
+
+
+# What the profile part profiles: prefill and a train step of dense and STEM beside each other (its `bounds`), and the
+# host-table and engine prefills whose slowness the benchmarks show.
+PROFILED = ("prefill_dense", "prefill_stem_full_resident", "prefill_stem_1_2_host", "prefill_stem_1_2_engine",
+            "train_dense", "train_stem_1_2_resident")  # fmt: skip
+
+
+def profile(deadline: float, bench: dict) -> None:
+    """`benchmarks/profile_gpu.py` over `PROFILED` at the 0.75B shape, into `bench["profile"]`, as `bench_gpu`."""
+    run_script("profile_gpu", ["--only", ",".join(PROFILED)], deadline, bench, key="profile")
 
 
 def lookup_kernel(deadline: float, quick: bool, bench: dict) -> None:

@@ -103,17 +103,17 @@ def bounds(report: dict) -> dict:
         if spec is None or tables != "resident" or name not in report or dense not in report:
             continue
         layers = {s: len(StemConfig(**config_kwargs(shape), stem_layers=s).stem_layers) for s in (spec, "full")}
-        time, saved = report[dense]["device_ms"], matmul_ms(report[dense]) - matmul_ms(report[name])
+        total, saved = report[dense]["device_ms"], matmul_ms(report[dense]) - matmul_ms(report[name])
         per_layer = saved / layers[spec]
         out[name] = {
             "dense": dense,
             "stem_layers": layers[spec],
             "matmul_saved_ms": round(saved, 3),
             "matmul_saved_per_stem_layer_ms": round(per_layer, 3),
-            "matmul_share_of_dense": round(matmul_ms(report[dense]) / time, 3),
-            "stem_adds_ms": round(report[name]["device_ms"] - time + saved, 3),
-            "speedup_matmuls_alone": round(time / (time - saved), 3),
-            "speedup_matmuls_alone_full": round(time / (time - per_layer * layers["full"]), 3),
+            "matmul_share_of_dense": round(matmul_ms(report[dense]) / total, 3),
+            "stem_adds_ms": round(report[name]["device_ms"] - total + saved, 3),
+            "speedup_matmuls_alone": round(total / (total - saved), 3),
+            "speedup_matmuls_alone_full": round(total / (total - per_layer * layers["full"]), 3),
         }
     return out
 

@@ -562,11 +562,13 @@ class StemTableRows:
     """The table rows of one batch, handed out per STEM layer.
 
     A table on the device of the ids is looked up by the layer that asks, inside its (possibly checkpointed)
-    forward, so activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a
+    forward, so eager activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a
     model on an accelerator is read on the host for the batch's distinct ids only, and only those rows cross: a worker
     thread gathers them into pinned memory and copies them on a side stream `HOST_ROWS_AHEAD` STEM layers ahead, so
     the reads and copies overlap the layers before. Rows stay differentiable in the host table (`StemHostRowsGrad`).
     An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
+    Under torch.compile in training, the rows of tables with sparse gradients come from outside the graph
+    (`rows_outside_graph`, before the layers; `outside_rows` holds them).
     """
 
     def __init__(self, tables: "StemTables", stem_input_ids: torch.LongTensor):
@@ -576,17 +578,16 @@ class StemTableRows:
         self._unique_here = None
         self._ahead: dict[int, Future] = {}
         self._served: set[int] = set()
-        # Rows gathered before the layers ask (under compile in training, outside the graph: `rows_outside_graph`).
-        self.gathered: dict[int, torch.Tensor] = {}
+        self.outside_rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
-        if layer_idx in self.gathered:
-            return self.gathered[layer_idx]
+        if layer_idx in self.outside_rows:
+            return self.outside_rows[layer_idx]
         table = self.tables[str(layer_idx)]
         if table.weight.shape[0] == 0:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
         if torch.compiler.is_compiling() and outside_graph(table):  # layers compiled one by one: this layer's alone
-            return rows_outside_graph(self.tables, self.stem_input_ids, (layer_idx,), None)[0]
+            return _rows_outside_graph_of(self, layer_idx)
         if not self.host_served(table):
             settle(table.weight)
             if self.distinct_grad(table):
@@ -723,7 +724,8 @@ class StemTableRows:
 # What dynamo says where it cannot leave a lookup out of the graph: under `fullgraph=True`. `reason` is torch 2.7's.
 _OUTSIDE_GRAPH = (
     "STEM tables with sparse gradients (sparse=True, trainable) are looked up outside the compiled graph, which "
-    "fullgraph=True forbids: compile without fullgraph, or give the tables dense gradients (table.sparse = False)"
+    "fullgraph=True forbids: compile without fullgraph, or give the tables dense gradients "
+    "(stem_hf.training.use_sparse_table_grads(model, enable=False); StemTrainer(..., sparse_table_grads=False))"
 )
 _DISABLE = {"reason": _OUTSIDE_GRAPH} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
 
@@ -740,13 +742,20 @@ def outside_graph(table: nn.Module) -> bool:
 
 @torch.compiler.disable(**_DISABLE)
 def rows_outside_graph(
-    tables: "StemTables", stem_input_ids: torch.LongTensor, layers: tuple[int, ...], dtype: torch.dtype | None
+    tables: "StemTables", stem_input_ids: torch.LongTensor, layers: tuple[int, ...]
 ) -> list[torch.Tensor]:
-    """Layers `layers`' rows of `stem_input_ids` (in `dtype`, if given), by the eager path (`StemTableRows` outside
-    any compile: sparse gradients over the distinct rows, host tables fetched ahead), for compiled code to take as
-    inputs."""
+    """Layers `layers`' rows of `stem_input_ids`, by the eager path (`StemTableRows` outside any compile: sparse
+    gradients over the distinct rows, host tables fetched ahead), for compiled code to take as inputs. In the tables'
+    dtype: each layer casts its rows, as in eager."""
     rows = StemTableRows(tables, stem_input_ids)
-    return [rows[layer] if dtype is None else rows[layer].to(dtype) for layer in layers]
+    return [rows[layer] for layer in layers]
+
+
+@torch.compiler.disable(**_DISABLE)
+def _rows_outside_graph_of(rows: StemTableRows, layer_idx: int) -> torch.Tensor:
+    """`rows[layer_idx]` by the eager path, from a layer compiled on its own: the forward's distinct ids and fetches
+    ahead serve every layer, as in eager."""
+    return rows[layer_idx]
 
 
 class StemSoftPromptRows:
@@ -1175,16 +1184,15 @@ class StemModel(StemPreTrainedModel):
                 f"sequence_length) = {(batch, length)}: give one table id per input position (with "
                 "`inputs_embeds`, fewer ids mean that the first positions are soft prompts without a token)"
             )
-        gathered = {}
+        outside = {}
         if self.row_source is None and torch.compiler.is_compiling():
             # One graph break per forward, here: never one inside the layers' loop, which dynamo would run eager.
             layers = tuple(int(key) for key, table in self.stem_tables.items() if outside_graph(table))
             if layers:
-                rows = rows_outside_graph(self.stem_tables, stem_input_ids, layers, inputs_embeds.dtype)
-                gathered = dict(zip(layers, rows, strict=True))
+                outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
-        if gathered:
-            stem_rows.gathered.update(gathered)
+        if outside:
+            stem_rows.outside_rows.update(outside)
         if num_soft:
             stem_rows = StemSoftPromptRows(stem_rows, num_soft)
         return stem_rows
@@ -1435,8 +1443,8 @@ __all__ = [
     "gated_lookup",
     "gated_lookup_grads",
     "gathered",
-    "rows_dynamic",
     "outside_graph",
+    "rows_dynamic",
     "rows_outside_graph",
     "settle",
     "xavier_normal_std",

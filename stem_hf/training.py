@@ -870,11 +870,12 @@ class StemTrainer(Trainer):
     `sparse_table_grads` makes table gradients sparse (`use_sparse_table_grads`: backward never builds a `[vocab, d_ff]`
     tensor) and clips with `clip_grad_norm`, for the length of `train()`: the model's tables are as they were before and
     after it. The default, None, turns them on where they are tested: one process, no FSDP, DeepSpeed, DataParallel or
-    accelerate dynamo backend with `fullgraph`, `row_sparse_tables`, the optimizer built here (not passed in), and a
-    trainable table, float32 or to be upcast by `train()` (`StemTables.upcast_for_training`). Compiled
-    (`torch_compile`, an accelerate dynamo backend, a model passed in compiled), the tables' rows are gathered outside
-    the graph, once per forward (`modeling_stem.rows_outside_graph`), which `fullgraph` forbids. True asks for them
-    anyway (one process only, and not under a dynamo backend with `fullgraph`); False keeps dense table gradients.
+    `fullgraph` compile, `row_sparse_tables`, the optimizer built here (not passed in), and a trainable table, float32
+    or to be upcast by `train()` (`StemTables.upcast_for_training`). Compiled (`torch_compile`, an accelerate dynamo
+    backend, a model passed in compiled), the tables' rows are gathered outside the graph, once per forward
+    (`modeling_stem.rows_outside_graph`), which `fullgraph` forbids (an accelerate dynamo backend with `fullgraph`, or a
+    model passed in as `torch.compile(model, fullgraph=True)`). True asks for them anyway (one process only, and not
+    under a `fullgraph` compile); False keeps dense table gradients.
 
     `write_behind_tables` has the tables that sit in host memory updated by a worker thread while the accelerator goes
     on (`RowSparseAdamW(write_behind=True)`), with sparse table gradients only. The default, False, steps the tables
@@ -924,9 +925,10 @@ class StemTrainer(Trainer):
         fullgraph = self._compiles_fullgraph()
         if sparse_table_grads and fullgraph:
             raise ValueError(
-                "sparse_table_grads with an accelerate dynamo backend with fullgraph: a compiled forward gathers the "
-                "rows of tables with sparse gradients outside the graph, which fullgraph forbids; compile without "
-                "fullgraph, or leave sparse_table_grads unset (dense table gradients under fullgraph)"
+                "sparse_table_grads with a fullgraph compile (an accelerate dynamo backend with fullgraph, or a model "
+                "passed in as torch.compile(model, fullgraph=True)): a compiled forward gathers the rows of tables "
+                "with sparse gradients outside the graph, which fullgraph forbids; compile without fullgraph, or "
+                "leave sparse_table_grads unset (dense table gradients under fullgraph)"
             )
         if sparse_table_grads is None:
             sparse_table_grads = (
@@ -946,12 +948,15 @@ class StemTrainer(Trainer):
         self.write_behind_tables = write_behind_tables
 
     def _compiles_fullgraph(self) -> bool:
-        """Whether training compiles the model through an accelerate dynamo backend with `fullgraph` (`accelerate
-        launch --dynamo_use_fullgraph`, `ACCELERATE_DYNAMO_USE_FULLGRAPH`, which Trainer's accelerator takes up)."""
+        """Whether training compiles the model with `fullgraph`: through an accelerate dynamo backend (`accelerate
+        launch --dynamo_use_fullgraph`, `ACCELERATE_DYNAMO_USE_FULLGRAPH`, which Trainer's accelerator takes up), or
+        passed in as `torch.compile(model, fullgraph=True)` (a model compiled in place, `model.compile(...)`, shows
+        nothing of it: its first step fails, saying what to do)."""
         plugin = getattr(self.accelerator.state, "dynamo_plugin", None)
         backend = getattr(plugin, "backend", None)
         dynamo = backend is not None and backend != DynamoBackend.NO
-        return bool(dynamo and getattr(plugin, "fullgraph", False))
+        passed = getattr(getattr(self.model, "dynamo_ctx", None), "fullgraph", False)
+        return bool((dynamo and getattr(plugin, "fullgraph", False)) or passed is True)
 
     def _tables_can_take_sparse_grads(self) -> bool:
         """A trainable table, each in float32 or to be upcast by `train()`, none on the meta device."""

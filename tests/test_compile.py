@@ -606,6 +606,7 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
         expected = report["train"]["dense_compiled_adamw_ms"] / compiled["ms"]
         assert compiled["vs_dense_compiled_adamw"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
         assert compiled["vs_eager"] == pytest.approx(rows["ms"] / compiled["ms"], rel=1e-2, abs=2e-3)
+        assert compiled["graphs"] > 0  # compiled indeed: dynamo made graphs
     for batch in ("batch_1", "batch_2"):
         assert report["decode"][batch]["static_compiled"]["same_tokens_as_resident"] is True
         assert report["decode"][batch]["dense_same_tokens_across_runs"] is True  # a CPU's kernels: repeatable
@@ -673,8 +674,8 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
 
 def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path):
     """`--tokens` and `--decode-batches` take whole numbers of at least 1, comma-separated (`cli_args.positive_ints`),
-    `--specs` STEM ratios the benchmark knows; anything else is refused by argparse, naming the option, and nothing is
-    written."""
+    `--specs` and `--skip` STEM ratios and parts the benchmark knows; anything else is refused by argparse, naming the
+    option, and nothing is written."""
     from stem_hf.cli_args import positive_ints
 
     assert positive_ints("1,16,64") == [1, 16, 64]
@@ -688,17 +689,21 @@ def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path)
             assert run.returncode == 2 and f"argument {option}: must be whole numbers" in run.stderr, run.stderr
             assert not out.exists()
     assert benchmark_script("bench_gpu").specs("full,1/2") == ["full", "1/2"]
-    for bad in ("1/4", "1/2,", "half"):  # `--specs`: STEM ratios the benchmark knows
-        command = [sys.executable, os.path.join(root, "benchmarks/bench_gpu.py"), "--device", "cpu", "--specs", bad,
-                   "--out", str(tmp_path / "specs.json")]  # fmt: skip
+    bench = benchmark_script("bench_gpu")
+    assert bench.skips("host,train") == {"host", "train"} and bench.skips("") == set()
+    cases = [("--specs", bad, "must be among 1/3, 1/2, full") for bad in ("1/4", "1/2,", "half", "1/2,1/2")]
+    cases += [("--skip", bad, "must be among prefill, train, decode, host") for bad in ("hosts", "train,engine")]
+    for option, bad, message in cases:  # STEM ratios and parts the benchmark knows
+        command = [sys.executable, os.path.join(root, "benchmarks/bench_gpu.py"), "--device", "cpu", option, bad,
+                   "--out", str(tmp_path / "bad.json")]  # fmt: skip
         run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
-        assert run.returncode == 2 and "argument --specs: must be among 1/3, 1/2, full" in run.stderr, run.stderr
-        assert not (tmp_path / "specs.json").exists()
+        assert run.returncode == 2 and f"argument {option}: {message}" in run.stderr, run.stderr
+        assert not (tmp_path / "bad.json").exists()
 
 
-def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(tmp_path):
-    """`gpu_check.run_script`, which runs `bench_lookup_kernel.py` and `bench_gpu.py` for the GPU check: the script's
-    JSON lands in the check's report; a script that fails raises with its error."""
+def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(tmp_path, monkeypatch):
+    """`gpu_check.run_script`, which runs `bench_lookup_kernel.py`, `bench_gpu.py` and `profile_gpu.py` for the GPU
+    check: the script's JSON lands in the check's report; a script that fails raises with its error."""
     import time
 
     check = benchmark_script("gpu_check")
@@ -708,6 +713,12 @@ def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(t
     assert [case["tokens"] for case in bench["lookup_kernel"]["cases"]] == [130, 130]
     with pytest.raises(RuntimeError, match="exit status"):
         check.run_script("bench_lookup_kernel", ["--no-such-flag"], time.monotonic() + 300, {}, results=tmp_path)
+    # Its profile part names variants profile_gpu knows, dense beside STEM for prefill and train (their `bounds`).
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    variants = benchmark_script("profile_gpu").VARIANTS
+    assert set(check.PROFILED) <= variants.keys()
+    for what in ("prefill", "train"):
+        assert {variants[name][1] is None for name in check.PROFILED if variants[name][0] == what} == {True, False}
 
 
 def test_the_gpu_profile_runs_on_cpu_and_names_where_the_time_goes(tmp_path):
@@ -773,7 +784,7 @@ def test_an_out_of_range_id_under_torch_compile_fails_and_generate_names_it():
 # Compiled training with sparse table gradients (issue 36): the rows outside the graph, the layers inside it
 
 
-def _sparse_step(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _sparse_step(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     model.zero_grad(set_to_none=True)
     loss = model(ids, labels=ids).loss
     loss.backward()
@@ -784,64 +795,84 @@ def _sparse_step(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def test_compiled_training_keeps_sparse_table_gradients_with_one_graph_break_before_the_layers(monkeypatch):
     """Under `torch.compile` (inductor) a sparse table's rows are gathered by the eager path outside the graph, once per
     forward: the tables' gradients are sparse over the batch's distinct rows and equal eager's, every other gradient
-    too, and the layers' loop compiles whole (as many graphs at 2 layers as at 6: none per layer). Without gradients
-    the forward compiles with `fullgraph=True`; with them `fullgraph=True` fails and says why."""
+    too, step after step on other ids, and the layers' loop compiles whole (as many graphs at 2 layers as at 6: none
+    per layer). Layers compiled one by one gather each its own. Frozen and dense tables stay in the graph, and
+    activation checkpointing recomputes the layers around the rows. Without gradients the forward compiles with
+    `fullgraph=True`; with them `fullgraph=True` fails and says why."""
     from torch._dynamo.utils import counters
 
     from stem_hf.training import use_sparse_table_grads
 
     calls = []
-    gather = modeling_stem.rows_outside_graph
+    for name in ("rows_outside_graph", "_rows_outside_graph_of"):
+        original = getattr(modeling_stem, name)
 
-    @torch.compiler.disable
-    def counted(*args):
-        calls.append(args[2])
-        return gather(*args)
+        @torch.compiler.disable
+        def counted(*args, original=original, name=name):
+            calls.append((name, args[-1]))
+            return original(*args)
 
-    monkeypatch.setattr(modeling_stem, "rows_outside_graph", counted)
-    ids = _ids(3, (2, 10))
+        monkeypatch.setattr(modeling_stem, name, counted)
+    steps = [_ids(seed, (2, 10)) for seed in (3, 4)]
     graphs = {}
     for layers in (2, 6):
         model = sensitive_model(num_hidden_layers=layers, stem_layers="full").train()
         use_sparse_table_grads(model)
-        eager_loss, eager = _sparse_step(model, ids)
+        eager = [_sparse_step(model, ids) for ids in steps]
         assert not calls  # eager: nothing gathered ahead
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(model)
-        for _ in range(2):  # the second step recompiles nothing
+        for ids, (eager_loss, eager_grads) in zip(steps, eager, strict=True):  # the second recompiles nothing
             loss, grads = _sparse_step(compiled, ids)
+            torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+            for name, grad in grads.items():
+                if ".stem_tables." in name:
+                    assert grad.is_sparse and eager_grads[name].is_sparse, name
+                    assert torch.equal(grad.coalesce().indices()[0], ids.unique()), name  # the batch's rows only
+                torch.testing.assert_close(
+                    grad.to_dense(), eager_grads[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name
+                )
         graphs[layers] = counters["stats"]["unique_graphs"]
-        assert calls == [tuple(range(1, layers))] * 2  # every table ("full": each layer but 0), once per forward
+        # Every table ("full": each layer but 0), once per forward.
+        assert calls == [("rows_outside_graph", tuple(range(1, layers)))] * 2
         calls.clear()
-        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
-        for name, grad in grads.items():
-            if ".stem_tables." in name:
-                assert grad.is_sparse and eager[name].is_sparse, name
-                assert torch.equal(grad.coalesce().indices()[0], ids.unique()), name  # the batch's rows only
-                grad, reference = grad.to_dense(), eager[name].to_dense()
-            else:
-                reference = eager[name]
-            torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-5, msg=name)
     assert graphs[2] == graphs[6], graphs
-    # Layers compiled one by one (accelerate's regional compilation): each gathers its own rows outside its graph.
-    model.zero_grad(set_to_none=True)
+    # Layers compiled one by one (accelerate's regional compilation): each gathers its own rows outside its graph,
+    # from the forward's own rows (its distinct ids computed once).
+    ids, (eager_loss, eager_grads) = steps[1], eager[1]
     torch._dynamo.reset()
     for layer in model.model.layers:
         layer.compile()
     loss, grads = _sparse_step(model, ids)
-    assert calls == [(layer,) for layer in range(1, 6)]
+    assert calls == [("_rows_outside_graph_of", layer) for layer in range(1, 6)]
+    calls.clear()
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():
-        sparse = ".stem_tables." in name
-        assert grad.is_sparse is sparse, name
-        torch.testing.assert_close(grad.to_dense(), eager[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
+        assert grad.is_sparse is (".stem_tables." in name), name
+        torch.testing.assert_close(grad.to_dense(), eager_grads[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
+    # A frozen table and a dense one in the graph, one sparse outside, the layers checkpointed.
+    model = sensitive_model(num_hidden_layers=4, stem_layers="full").train()
+    use_sparse_table_grads(model)
+    model.model.stem_tables["1"].weight.requires_grad_(False)
+    model.model.stem_tables["2"].sparse = False
+    model.gradient_checkpointing_enable()
+    eager_loss, eager_grads = _sparse_step(model, ids)
+    torch._dynamo.reset()
+    loss, grads = _sparse_step(torch.compile(model), ids)
+    assert calls == [("rows_outside_graph", (3,))]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    assert grads["model.stem_tables.1.weight"] is None and not grads["model.stem_tables.2.weight"].is_sparse
+    for name, grad in grads.items():
+        if grad is not None:
+            torch.testing.assert_close(grad.to_dense(), eager_grads[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
+    model.gradient_checkpointing_disable()
     monkeypatch.undo()  # the model's own function, whose reason dynamo gives
     torch._dynamo.reset()  # what the compiles above cached would serve the calls below
     with torch.no_grad():
         logits = torch.compile(model, fullgraph=True)(ids).logits
     torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
-    with pytest.raises(Exception, match="compile without fullgraph"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="compile without fullgraph"):
         torch.compile(model, fullgraph=True)(ids, labels=ids)
 
 

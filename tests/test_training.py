@@ -847,8 +847,9 @@ def test_write_behind_needs_the_row_sparse_optimizer_and_sparse_table_grads(tmp_
 
 def test_stem_trainer_keeps_sparse_table_grads_under_torch_compile_but_not_under_fullgraph(tmp_path, monkeypatch):
     """Compiled, the tables' rows are gathered outside the graph (`modeling_stem.rows_outside_graph`): sparse table
-    gradients stay StemTrainer's default however training compiles, but not under an accelerate dynamo backend with
-    fullgraph, which forbids that graph break: asked for there, they are refused at once."""
+    gradients stay StemTrainer's default however training compiles, but not under a fullgraph compile (a model passed
+    in compiled with it, or an accelerate dynamo backend with it), which forbids that graph break: asked for there,
+    they are refused at once."""
     from accelerate.state import AcceleratorState
 
     model = _stem()
@@ -856,6 +857,10 @@ def test_stem_trainer_keeps_sparse_table_grads_under_torch_compile_but_not_under
     # Compiled another way: a model passed in compiled, and accelerate's dynamo backend, which `accelerate launch
     # --dynamo_backend` sets through this variable and Trainer's accelerator takes up, with args.torch_compile False.
     assert StemTrainer(model=torch.compile(model), args=_args(tmp_path)).sparse_table_grads
+    fullgraph = torch.compile(model, fullgraph=True)  # passed in compiled with fullgraph: dense, or refused if asked
+    assert not StemTrainer(model=fullgraph, args=_args(tmp_path)).sparse_table_grads
+    with pytest.raises(ValueError, match="sparse_table_grads with a fullgraph compile"):
+        StemTrainer(model=fullgraph, args=_args(tmp_path), sparse_table_grads=True)
     AcceleratorState._reset_state(True)
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
     try:
@@ -863,7 +868,7 @@ def test_stem_trainer_keeps_sparse_table_grads_under_torch_compile_but_not_under
         assert not trainer.args.torch_compile and trainer.sparse_table_grads
         AcceleratorState._reset_state(True)
         monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "true")
-        with pytest.raises(ValueError, match="sparse_table_grads with an accelerate dynamo backend with fullgraph"):
+        with pytest.raises(ValueError, match="sparse_table_grads with a fullgraph compile"):
             StemTrainer(model=model, args=_args(tmp_path), sparse_table_grads=True)
         AcceleratorState._reset_state(True)
         assert not StemTrainer(model=model, args=_args(tmp_path)).sparse_table_grads
