@@ -1186,7 +1186,8 @@ class StemModel(StemPreTrainedModel):
             )
         outside = {}
         if self.row_source is None and torch.compiler.is_compiling():
-            # One graph break per forward, here: never one inside the layers' loop, which dynamo would run eager.
+            # One graph break per forward, here: never one inside the layers' loop, which dynamo would run eager. Before
+            # the rows object is built: dynamo cannot hand an object it built in the graph to a call out of it.
             layers = tuple(int(key) for key, table in self.stem_tables.items() if outside_graph(table))
             if layers:
                 outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
