@@ -300,6 +300,40 @@ def _usual(table: nn.Embedding) -> bool:
     return table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
 
 
+# torch's CPU `index_select` copies a row of fewer elements than this (ATen's GRAIN_SIZE) with one memcpy, in parallel
+# over rows; a wider row with a parallel copy of its own, a round trip through the thread pool per row.
+INDEX_SELECT_GRAIN = 32768
+MIN_PIECE = 1024  # narrower pieces would cost more in index arithmetic than the wide rows' round trips
+
+
+def row_pieces(row: int) -> int:
+    """Into how many equal pieces `gather_rows` cuts a row of `row` elements: the fewest below `INDEX_SELECT_GRAIN`
+    (1 for rows already below it, and for rows that no split leaves pieces of at least `MIN_PIECE`)."""
+    for pieces in range(1, row // MIN_PIECE + 1):
+        if row % pieces == 0 and row // pieces < INDEX_SELECT_GRAIN:
+            return pieces
+    return 1
+
+
+def gather_rows(source: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.index_select(source, 0, ids, out=out)` for host rows of any width at the speed of one memcpy per row:
+    a contiguous CPU `source` whose rows reach `INDEX_SELECT_GRAIN` elements (a token's rows for every STEM layer; a
+    wide table) is gathered as rows cut in `row_pieces` pieces, each below it. The same bounds check: an id outside
+    `[0, len(source))` makes a piece's index fall outside too."""
+    pieces = row_pieces(source[0].numel()) if source.dim() > 1 and source.shape[0] else 1
+    shape = (len(ids), *source.shape[1:]) if ids.dim() == 1 else None
+    flat = source.device.type == "cpu" and source.is_contiguous() and shape is not None
+    if out is not None:  # anything but a contiguous buffer of the result's shape: as index_select takes it
+        flat = flat and out.is_contiguous() and out.shape == shape and out.dtype == source.dtype
+    if pieces == 1 or not flat:
+        return torch.index_select(source, 0, ids, out=out)
+    out = source.new_empty(shape) if out is None else out
+    piece_ids = (ids[:, None] * pieces + torch.arange(pieces, device=ids.device)).view(-1)
+    width = source[0].numel() // pieces
+    torch.index_select(source.view(-1, width), 0, piece_ids, out=out.view(-1, width))
+    return out
+
+
 def distinct_sparse_grad(weight: torch.Tensor, unique: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A table's sparse gradient of its distinct, sorted rows `unique`, whose indices are also kept on the weight
     (`stem_grad_rows`): autograd's accumulation drops the flag that says the gradient is coalesced, and an optimizer
@@ -546,6 +580,15 @@ def fused_gated_lookup(gate: torch.Tensor, lookup: StemLookup) -> torch.Tensor:
     return _run_compiled(gated_lookup, flat.detach(), table.detach(), positions).view(gate.shape)
 
 
+def lookup_fuses(config: StemConfig, ids: torch.Tensor) -> bool:
+    """Whether STEM layers gather the rows of a forward of `ids` inside their own kernel, as `config.fused_table_lookup`
+    says: True always, False never, None (the default) for forwards of at least `FUSED_LOOKUP_MIN_TOKENS` tokens on a
+    device `fuses_lookups_on`."""
+    if config.fused_table_lookup is None:
+        return ids.numel() >= FUSED_LOOKUP_MIN_TOKENS and fuses_lookups_on(ids.device)
+    return config.fused_table_lookup
+
+
 def fuses_lookups_on(device: torch.device) -> bool:
     """Whether `config.fused_table_lookup=None` (the default) fuses on `device`: CUDA where Triton, which inductor
     writes its kernels in, is installed and the GPU is one it supports (compute capability 7.0 or newer). Also where
@@ -617,13 +660,9 @@ class StemTableRows:
         takes the model's own graph)."""
         if type(table) is not StemTable or (torch.is_grad_enabled() and torch.compiler.is_compiling()):
             return False
-        setting = self.tables.config.fused_table_lookup
-        if setting is False or _hooked(table) or not _usual(table) or table.weight.device.type == "meta":
+        if _hooked(table) or not _usual(table) or table.weight.device.type == "meta":
             return False
-        if setting is None:
-            ids = self.stem_input_ids
-            return ids.numel() >= FUSED_LOOKUP_MIN_TOKENS and fuses_lookups_on(ids.device)
-        return True
+        return lookup_fuses(self.tables.config, self.stem_input_ids)
 
     def distinct_grad(self, table: nn.Embedding) -> bool:
         """Whether a table on the ids' device gets its sparse gradient over the distinct ids (`StemDistinctRowsGrad`):
@@ -709,7 +748,7 @@ class StemTableRows:
         settle(table.weight)  # on the worker: the layers before go on while a write behind finishes
         weight = table.weight.detach()
         staged = torch.empty((len(unique), weight.shape[1]), dtype=weight.dtype, pin_memory=device.type == "cuda")
-        torch.index_select(weight, 0, unique, out=staged)
+        gather_rows(weight, unique, out=staged)
         if device.type != "cuda":
             return staged.to(device), None
         stream = _side_stream(_COPY_STREAMS, device)
@@ -986,7 +1025,9 @@ class StemTableMLP(nn.Module):
 
 class StemRows(Protocol):
     """One forward's table rows: `rows[layer_idx]` is STEM layer `layer_idx`'s rows for the forward's table ids, shaped
-    `(*stem_input_ids.shape, intermediate_size)`, on any device and in any dtype (the layer casts them)."""
+    `(*stem_input_ids.shape, intermediate_size)`, on any device and in any dtype (the layer casts them). Rows may also
+    offer `lookup(layer_idx)`: the same rows, or a `StemLookup` for the layer to gather inside its own kernel
+    (`StemTableRows.lookup`), which the model's own STEM MLP asks for instead."""
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor: ...
 
@@ -1040,7 +1081,7 @@ class StemDecoderLayer(GradientCheckpointingLayer):
             # The model's own rows may be gathered inside the MLP's kernel (`StemTableRows.lookup`), where the MLP is
             # this file's and nothing hooks it: a replaced MLP (healing's blend) or a hook reading it wants rows.
             mlp = self.mlp
-            own = type(mlp) is StemTableMLP and not _hooked(mlp) and type(stem_rows) is StemTableRows
+            own = type(mlp) is StemTableMLP and not _hooked(mlp) and hasattr(stem_rows, "lookup")
             hidden_states = mlp(hidden_states, stem_rows.lookup(self.layer_idx) if own else stem_rows[self.layer_idx])
         else:
             hidden_states = self.mlp(hidden_states)
@@ -1422,6 +1463,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
 __all__ = [
     "FUSED_LOOKUP_MIN_TOKENS",
     "HOST_ROWS_AHEAD",
+    "INDEX_SELECT_GRAIN",
     "StemDistinctRowsGrad",
     "StemForCausalLM",
     "StemGatedLookup",
@@ -1443,8 +1485,11 @@ __all__ = [
     "fuses_lookups_on",
     "gated_lookup",
     "gated_lookup_grads",
+    "gather_rows",
     "gathered",
+    "lookup_fuses",
     "outside_graph",
+    "row_pieces",
     "rows_dynamic",
     "rows_outside_graph",
     "settle",

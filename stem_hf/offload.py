@@ -5,11 +5,11 @@
   fp32 scale per row (half the bytes of bf16). Only the staging buffers are pinned: pinning the whole store would lock
   (and round up) host memory the size of every table.
 - `StemOffloadEngine`: per forward, deduplicates the batch's ids once, gathers the unique rows for all layers in one
-  multithreaded `index_select` into a pinned staging buffer (two, used in turn, so a gather never overwrites rows
-  still being copied), copies them to the accelerator on a side stream, and hands each STEM layer its rows. A
-  device-resident row cache (LFU, LRU among equals) keeps frequent tokens' rows so decode rarely fetches again.
-  `plan(prompt, chunk_size)` announces a chunked prefill: while one chunk computes, a background thread gathers (and
-  starts copying) the next chunk's rows into the other staging buffer.
+  multithreaded gather (`gather_rows`: one memcpy per row, however wide) into a pinned staging buffer (two, used in
+  turn, so a gather never overwrites rows still being copied), copies them to the accelerator on a side stream, and
+  hands each STEM layer its rows. A device-resident row cache (LFU, LRU among equals) keeps frequent tokens' rows so
+  decode rarely fetches again. `plan(prompt, chunk_size)` announces a chunked prefill: while one chunk computes, a
+  background thread gathers (and starts copying) the next chunk's rows into the other staging buffer.
 
 - `StemMappedTables`: the same token-major layout as a file (`write_offload_store`, written once beside the checkpoint),
   memory-mapped instead of copied: the engine gathers from the map, so tables larger than memory serve, and host
@@ -50,7 +50,7 @@ from .checkpoint_stem import (
     reading_checkpoint,
 )
 from .mapped import map_safetensors
-from .modeling_stem import check_token_ids
+from .modeling_stem import StemLookup, check_token_ids, gather_rows, lookup_fuses
 from .system import available_memory, check_disk_room
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
@@ -122,7 +122,7 @@ class StemHostTables:
         return self.nbytes // self.vocab_size
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None, out_scales: torch.Tensor | None = None):
-        rows = torch.index_select(self.data, 0, ids, out=out)
+        rows = gather_rows(self.data, ids, out=out)
         scales = None if self.scales is None else torch.index_select(self.scales, 0, ids, out=out_scales)
         return rows, scales
 
@@ -316,7 +316,7 @@ class StemMappedTables:
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None, out_scales: torch.Tensor | None = None):
         self.advise(ids)
-        return torch.index_select(self.data, 0, ids, out=out), None
+        return gather_rows(self.data, ids, out=out), None
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
@@ -387,12 +387,15 @@ class StemRowCache:
 
 
 class StemOffloadedRows:
-    """What the STEM layers index: the unique rows of one forward for every layer, on the compute device."""
+    """What the STEM layers index: the unique rows of one forward for every layer, on the compute device. `lookup`
+    hands a layer the unique rows and each position's place among them, for it to gather inside its own kernel where
+    the model's config fuses lookups (`lookup_fuses`), as the model's own rows from host memory are."""
 
     def __init__(self, engine: "StemOffloadEngine", rows, scales, inverse: torch.Tensor, ready):
         self.engine, self.rows, self.scales, self.inverse, self.ready = engine, rows, scales, inverse, ready
 
-    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+    def distinct(self, layer_idx: int) -> torch.Tensor:
+        """STEM layer `layer_idx`'s rows of the forward's distinct ids (dequantized, for an int8 store)."""
         if self.ready is not None:  # the copy runs on a side stream: wait for it once, on first use
             torch.cuda.current_stream(self.engine.device).wait_event(self.ready)
             self.ready = None
@@ -401,7 +404,15 @@ class StemOffloadedRows:
         if self.scales is not None:  # dequantize the unique rows only, to the tables' dtype
             dtype = self.engine.store.table_dtype
             rows = rows.to(dtype) * self.scales[:, slot, None].to(dtype)
-        return rows[self.inverse]
+        return rows
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        return self.distinct(layer_idx)[self.inverse]
+
+    def lookup(self, layer_idx: int) -> torch.Tensor | StemLookup:
+        if not lookup_fuses(self.engine.model.config, self.inverse):
+            return self[layer_idx]
+        return StemLookup(self.distinct(layer_idx), self.inverse)
 
 
 class StemOffloadEngine:

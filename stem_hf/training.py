@@ -25,7 +25,7 @@ from transformers.utils import logging
 
 from .checkpoint_stem import TABLE_KEY
 from .extras import require
-from .modeling_stem import StemTable, StemTables, fuses_lookups_on
+from .modeling_stem import StemTable, StemTables, fuses_lookups_on, gather_rows
 
 logger = logging.get_logger(__name__)
 
@@ -479,11 +479,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
             for start in range(0, len(rows), chunk):
                 part, at = rows[start : start + chunk], slots[start : start + chunk]
                 moment, square, row, scratch, ratio = (b[: len(part)] for b in buffers)
-                exp_avg = torch.index_select(state["exp_avg"], 0, at, out=moment)
-                exp_avg_sq = torch.index_select(state["exp_avg_sq"], 0, at, out=square)
+                exp_avg = gather_rows(state["exp_avg"], at, out=moment)
+                exp_avg_sq = gather_rows(state["exp_avg_sq"], at, out=square)
                 steps = state["steps"].index_select(0, at).add_(1)
                 if param.dtype == STATE_DTYPE:
-                    weight = torch.index_select(param, 0, part, out=row)
+                    weight = gather_rows(param, part, out=row)
                 else:
                     weight = param.index_select(0, part).to(STATE_DTYPE)
                 grad = values[start : start + chunk].to(STATE_DTYPE)

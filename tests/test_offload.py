@@ -5,8 +5,10 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stem_hf import StemForCausalLM
+from stem_hf.modeling_stem import INDEX_SELECT_GRAIN, gather_rows, row_pieces
 from stem_hf.offload import StemHostTables, StemOffloadEngine, StemRowCache, offloaded
 from tests.conftest import sensitive_model, tiny_model
 
@@ -65,6 +67,92 @@ def test_fetches_alternate_between_two_staging_buffers_that_grow(int8):
     assert sorted(b[0].shape[0] for b in engine._staging) == [256, 288] and big.data_ptr() != third.data_ptr()
     torch.testing.assert_close(big, expected[big.data_ptr()][0], rtol=0, atol=0)
     assert not any(b[0].is_pinned() for b in engine._staging)  # pinned only when there is a CUDA device to copy to
+
+
+class _IndexSelects(TorchDispatchMode):
+    """Records the row width (elements) of every `index_select` along dimension 0 made on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.widths = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten.index_select and args[0].device.type == "cpu" and args[1] == 0:
+            self.widths.append(args[0][0].numel() if args[0].dim() > 1 else 1)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_gather_rows_gives_index_selects_rows_and_errors_at_any_width(dtype):
+    for shape in [(40, 3), (40, 2, 16384), (40, 3, 11264), (40, 32771)]:  # below the grain, 2 and 3 pieces, prime
+        source = (torch.randn(shape) * 40).to(dtype)
+        ids = torch.tensor([3, 0, 39, 3, 17])
+        with _IndexSelects() as calls:
+            rows = gather_rows(source, ids)
+        assert torch.equal(rows, source[ids]) and rows.shape == (5, *shape[1:])
+        row = source[0].numel()
+        assert calls.widths == [row // row_pieces(row)] and (row == 32771 or max(calls.widths) < INDEX_SELECT_GRAIN)
+        staging = torch.empty((8, *shape[1:]), dtype=dtype)  # the engine gathers into the front of a larger buffer
+        assert gather_rows(source, ids, out=staging[:5]).data_ptr() == staging.data_ptr()
+        assert torch.equal(staging[:5], source[ids])
+        assert torch.equal(gather_rows(source[:, None].transpose(0, 1)[0], ids), source[ids])  # a view: as it is
+        for bad in (40, -1):  # a piece's index falls outside too: index_select's own error
+            with pytest.raises(IndexError, match="out of range"):
+                gather_rows(source, torch.tensor([1, bad]))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_engine_gathers_a_tokens_rows_over_every_layer_below_index_selects_grain(int8, tmp_path):
+    """A token's rows over every STEM layer are one row of the store: 6 layers of d_ff 5632 at the GPU benchmark's
+    0.75B shape, beyond the width torch's CPU index_select copies by one memcpy (it copies each wider row with a
+    thread-pool round trip of its own). The engine gathers them in pieces below it, from a store in memory or mapped,
+    and serves the same logits as the model's own tables."""
+    from stem_hf.offload import write_offload_store
+
+    model = sensitive_model(intermediate_size=INDEX_SELECT_GRAIN // 2, table_dtype="bfloat16")  # 2 layers: 32768 wide
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    stores = [{"int8": True}] if int8 else [{}]
+    if not int8:
+        model.save_pretrained(tmp_path / "ckpt")
+        model = StemForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+        stores.append({"store": write_offload_store(tmp_path / "ckpt")})
+    for options in stores:
+        with offloaded(model, **options), torch.no_grad(), _IndexSelects() as calls:
+            logits = model(ids).logits
+        assert calls.widths and max(calls.widths) < INDEX_SELECT_GRAIN, options
+        assert INDEX_SELECT_GRAIN // 2 in calls.widths  # the store's rows, in two pieces each
+        if int8:
+            torch.testing.assert_close(logits, expected, rtol=0.05, atol=0.05)
+        else:
+            torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"cache_tokens": 6}, {"int8": True}])
+def test_the_engines_rows_are_gathered_inside_the_layers_kernel_where_the_config_fuses_lookups(options):
+    """The engine hands each STEM layer the forward's distinct rows and each position's place among them, as the
+    model's host path does, where `fused_table_lookup` says (True here; the default on CUDA): the layer's one kernel
+    gathers them (`fused_gated_lookup`), with the unfused engine's logits and greedy tokens."""
+    from stem_hf import modeling_stem
+
+    model = sensitive_model(table_dtype="float32")
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    fused, original = [], modeling_stem.fused_gated_lookup
+    with pytest.MonkeyPatch.context() as patch, offloaded(model, **options), torch.no_grad():
+        patch.setattr(
+            modeling_stem, "fused_gated_lookup", lambda gate, lookup: fused.append(lookup) or original(gate, lookup)
+        )
+        logits, tokens = model(ids).logits, model.generate(ids, **settings)
+        assert fused == []  # the default, on the CPU: rows
+        model.config.fused_table_lookup = True
+        got, got_tokens = model(ids).logits, model.generate(ids, **settings)
+    assert len(fused) == 2 * (1 + 4) and all(isinstance(lookup, modeling_stem.StemLookup) for lookup in fused)
+    assert fused[0].table.shape == (len(ids.unique()), 64) and fused[0].index.shape == ids.shape
+    torch.testing.assert_close(got, logits, rtol=0, atol=1e-5 * logits.abs().max().item())
+    assert torch.equal(got_tokens, tokens)
 
 
 def test_the_cache_evicts_the_least_used_then_the_least_recent():
