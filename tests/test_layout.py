@@ -4,6 +4,7 @@ class that is flags and thin delegates; test files that share helpers through te
 another."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -84,8 +85,10 @@ def test_only_the_lab_and_the_command_line_import_the_lab():
     assert not importers, importers
 
 
-def _model_file_imports() -> set[tuple[str, str]]:
-    """(module, name) pairs that transformers' own model and config files import, as absolute module names."""
+@functools.cache
+def _model_file_imports() -> frozenset[tuple[str, str]]:
+    """(module, name) pairs that transformers' own model and config files import, as absolute module names (parsed
+    once: several hundred files)."""
     pairs = set()
     models = Path(transformers.__file__).parent / "models"
     for path in [*models.glob("*/modeling_*.py"), *models.glob("*/configuration_*.py")]:
@@ -94,7 +97,7 @@ def _model_file_imports() -> set[tuple[str, str]]:
                 module = "transformers." + node.module if node.level == 3 else None
                 if module:
                     pairs.update((module, alias.name) for alias in node.names)
-    return pairs
+    return frozenset(pairs)
 
 
 @pytest.mark.parametrize("file", REMOTE_CODE)

@@ -153,13 +153,75 @@ def test_the_docs_pass_options_to_benchmarks():
     assert BENCHMARK_RUNS
 
 
+# Parses each command line given as JSON on stdin as `python SCRIPT ARGS` would (the script's folder first on the
+# path), all in one process, so the imports (torch, transformers) are paid once: the script runs until its parser has
+# read the whole line, which ends it (`--help` would end it sooner, before an unknown option is reported). Prints each
+# one's exit status and the end of what it wrote to stderr, as JSON.
+_PARSE_ALL = """
+import argparse, contextlib, io, json, os, runpy, sys
+class Parsed(Exception):
+    pass
+inside = []
+def stop_after(parse):
+    def parsed(self, *args, **kwargs):
+        if inside:  # parse_args reading its line through parse_known_args: it checks the rest itself
+            return parse(self, *args, **kwargs)
+        inside.append(parse)
+        try:
+            parse(self, *args, **kwargs)
+        finally:
+            inside.pop()
+        raise Parsed
+    return parsed
+argparse.ArgumentParser.parse_args = stop_after(argparse.ArgumentParser.parse_args)
+argparse.ArgumentParser.parse_known_args = stop_after(argparse.ArgumentParser.parse_known_args)
+results = []
+for script, arguments in json.load(sys.stdin):
+    sys.argv, sys.path[0] = [script, *arguments], os.path.dirname(os.path.abspath(script))
+    err, code = io.StringIO(), "never parsed its arguments"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            runpy.run_path(script, run_name="__main__")
+    except Parsed:
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    results.append([code, err.getvalue()[-2000:]])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def parsed_benchmark_runs() -> dict[tuple[str, tuple[str, ...]], tuple[int, str]]:
+    """Every benchmark command line of the docs parsed by its script (`_PARSE_ALL`): exit status, stderr."""
+    import json
+
+    runs = [[script, list(arguments)] for script, arguments in BENCHMARK_RUNS]
+    done = subprocess.run([sys.executable, "-c", _PARSE_ALL], input=json.dumps(runs), cwd=ROOT, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return {run: tuple(result) for run, result in zip(BENCHMARK_RUNS, json.loads(done.stdout), strict=True)}
+
+
 @pytest.mark.parametrize("script, arguments", BENCHMARK_RUNS, ids=[" ".join((s, *a)) for s, a in BENCHMARK_RUNS])
 @pytest.mark.slow
-def test_benchmark_commands_parse(script, arguments):
-    """The command line, run with `--help` appended: argparse checks its option names and choice values as it reads
-    them, then prints the help and exits 0."""
-    run = subprocess.run([sys.executable, script, *arguments, "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 0, (script, arguments, run.stderr[-2000:])
+def test_benchmark_commands_parse(script, arguments, parsed_benchmark_runs):
+    """The command line, read by the script's own parser: its option names, choice and typed values."""
+    code, stderr = parsed_benchmark_runs[script, arguments]
+    assert code == 0, (script, arguments, stderr)
+
+
+def test_a_bad_benchmark_command_line_fails_to_parse():
+    """What `test_benchmark_commands_parse` relies on: a wrong option or value is an exit status 2 with argparse's
+    message, where `--help` would have exited 0."""
+    import json
+
+    runs = [["benchmarks/bench_gpu.py", ["--no-such-option"]], ["benchmarks/bench_gpu.py", ["--skip", "nothing"]],
+            ["benchmarks/bench_gpu.py", ["--skip", "decode"]]]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _PARSE_ALL], input=json.dumps(runs), cwd=ROOT, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    (option, option_err), (value, value_err), (good, _) = json.loads(done.stdout)
+    assert option == 2 and "unrecognized arguments: --no-such-option" in option_err
+    assert value == 2 and "argument --skip: must be among" in value_err and good == 0
 
 
 def _slug(heading: str) -> str:
