@@ -23,6 +23,8 @@ With one:
    FLOP prediction (`docs/gpu.md`).
 5. `benchmarks/profile_gpu.py` in a subprocess, if time is left: prefill and a train step of dense and STEM profiled
    beside each other (what STEM saves in matrix products, `bounds`), and the host-table and engine prefills.
+6. `benchmarks/bench_host_gather.py` in a subprocess, if time is left: the host side of the engine's gather at the
+   0.75B shape, `index_select` against `gather_rows`, on one thread and on every core of the GPU's host.
 
 Every part is time-boxed (`--budget-s`, default 570 s: the whole check stays under 10 minutes); a part that would not
 fit is reported as skipped, and a watchdog prints what was measured so far if the budget runs out anyway. `parts` in
@@ -479,6 +481,7 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
     part("lookup_kernel", 150, lambda: lookup_kernel(min(deadline, time.monotonic() + 90), quick, bench))
     part("bench_gpu", 90, lambda: bench_gpu(deadline, quick, bench))
     part("profile", 60, lambda: profile(deadline, bench))
+    part("host_gather", 40, lambda: run_script("bench_host_gather", ["--repeats", "3"], deadline, bench))
     host = decode.get("host_tables", {})
     for name in ("offload_no_cache", "offload_cache_4096", "offload_int8_cache_4096", "resident"):
         if name in decode and host:

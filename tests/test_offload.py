@@ -1,6 +1,7 @@
 """The offload engine on CPU: the token-major store and its gather against a plain index, the row cache's hits,
 misses and evictions, and identical logits and generations with offloaded and resident tables."""
 
+import os
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from stem_hf import StemForCausalLM
 from stem_hf.modeling_stem import INDEX_SELECT_GRAIN, gather_rows, row_pieces
 from stem_hf.offload import StemHostTables, StemOffloadEngine, StemRowCache, offloaded
-from tests.conftest import sensitive_model, tiny_model
+from tests.conftest import benchmark_script, sensitive_model, tiny_model
 
 
 def test_the_store_is_token_major_and_gathers_what_a_plain_index_gives():
@@ -445,3 +446,25 @@ def test_tables_freed_by_an_int8_engine_are_named_by_a_forward_a_save_and_a_resi
     with pytest.raises(RuntimeError, match=f"resize_token_embeddings: the model's {freed}"):
         model.resize_token_embeddings(128)
     assert model.model.embed_tokens.num_embeddings == 96
+
+
+def test_the_host_gather_benchmark_times_each_way_on_rows_it_checked_equal(monkeypatch):
+    """`benchmarks/bench_host_gather.py` at a small vocabulary: the store's rows by `index_select` and by
+    `gather_rows` (checked equal before any timing) and the per-layer gathers, at each thread count."""
+    import argparse
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    bench = benchmark_script("bench_host_gather")
+    args = argparse.Namespace(vocab=300, d_ff=5632, batch_size=2, seq_len=40, repeats=1, threads=[1, 2])
+    threads = torch.get_num_threads()
+    try:
+        report = bench.run("1/2", args)
+    finally:
+        torch.set_num_threads(threads)
+    assert report["row_elements"] == 6 * 5632 >= report["grain"]
+    for kind in ("uniform", "zipf"):
+        assert report[kind]["distinct_ids"] == len(bench.token_ids(kind, (2, 40), 300, torch.device("cpu")).unique())
+        for t in (1, 2):
+            timed = report[kind][f"threads_{t}"]
+            assert all(timed[f"{way}_ms"] > 0 for way in ("index_select", "gather_rows", "per_layer"))
+            assert timed["gather_rows_over_index_select"] > 0
