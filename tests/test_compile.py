@@ -901,3 +901,26 @@ def test_compiled_training_fetches_host_tables_rows_ahead_outside_the_graph(monk
     for name, grad in grads.items():
         assert grad.is_sparse is (".stem_tables." in name), name
         torch.testing.assert_close(grad.to_dense(), eager[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_gpu_benchmarks_host_and_engine_cases_run_when_routed_through_the_cpu(monkeypatch):
+    """`bench_gpu.py`'s host-table and engine cases of prefill and decode, which run on an accelerator only, here on
+    the CPU (tables "moved" to the host stay where they are): every figure they write, so a GPU session's minutes are
+    not lost to a slip in them."""
+    import argparse
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    bench = benchmark_script("bench_gpu")
+    monkeypatch.setattr(bench, "hosts", lambda args, device: True)
+    args = argparse.Namespace(shape="tiny", batch_size=2, seq_len=16, repeats=1, compile=False, dtype="float32",
+                              skip=set(), specs=["1/2"], decode_batches=[1], prompt_len=8, new_tokens=3)  # fmt: skip
+    prefill = bench.run_prefill(args, torch.device("cpu"))["1/2"]
+    for kind in ("uniform", "zipf"):
+        row = prefill[kind]
+        assert row["host_first_ms"] > 0 and row["engine_first_ms"] > 0
+        assert row["host_vs_resident"] == pytest.approx(row["resident_ms"] / row["host_ms"], rel=1e-2, abs=2e-3)
+        assert row["engine_vs_resident"] == pytest.approx(row["resident_ms"] / row["engine_ms"], rel=1e-2, abs=2e-3)
+    decode = bench.run_decode(args, torch.device("cpu"))["batch_1"]
+    for name in ("host", "engine"):  # the same tokens and logits as resident tables, and a ratio to dense
+        assert decode[name]["same_tokens_as_resident"] is True and decode[name]["logits_max_diff_vs_resident"] == 0
+        assert decode[name]["speedup"] > 0
