@@ -742,22 +742,26 @@ class StemTableRows:
                 self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
 
     def _fetch(self, table: nn.Embedding, unique: torch.Tensor, main) -> tuple[torch.Tensor, object]:
-        """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only): gathered
-        into pinned memory, whose copy can run on the side stream while the main one computes."""
-        device = self.stem_input_ids.device
+        """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only)."""
         settle(table.weight)  # on the worker: the layers before go on while a write behind finishes
-        weight = table.weight.detach()
-        staged = torch.empty((len(unique), weight.shape[1]), dtype=weight.dtype, pin_memory=device.type == "cuda")
-        gather_rows(weight, unique, out=staged)
-        if device.type != "cuda":
-            return staged.to(device), None
-        stream = _side_stream(_COPY_STREAMS, device)
-        with torch.cuda.stream(stream):
-            rows = staged.to(device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        rows.record_stream(main)  # made on the side stream, read on the main one
-        return rows, ready
+        return fetch_rows(table.weight.detach(), unique, self.stem_input_ids.device, main)
+
+
+def fetch_rows(source: torch.Tensor, unique: torch.Tensor, device: torch.device, main) -> tuple[torch.Tensor, object]:
+    """The rows of host ids `unique` of host tensor `source` on `device`, and the event that marks their copy done
+    (CUDA only): gathered into pinned memory, whose copy runs on a side stream while `main` (the stream that will read
+    them) computes. What a worker thread runs ahead of the layers (`StemTableRows`, the offload engine)."""
+    staged = torch.empty((len(unique), *source.shape[1:]), dtype=source.dtype, pin_memory=device.type == "cuda")
+    gather_rows(source, unique, out=staged)
+    if device.type != "cuda":
+        return staged.to(device), None
+    stream = _side_stream(_COPY_STREAMS, device)
+    with torch.cuda.stream(stream):
+        rows = staged.to(device, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    rows.record_stream(main)  # made on the side stream, read on the main one
+    return rows, ready
 
 
 # What dynamo says where it cannot leave a lookup out of the graph: under `fullgraph=True`. `reason` is torch 2.7's.
@@ -1481,6 +1485,7 @@ __all__ = [
     "copies_grad_behind",
     "distinct_rows_grad",
     "distinct_sparse_grad",
+    "fetch_rows",
     "fused_gated_lookup",
     "fuses_lookups_on",
     "gated_lookup",

@@ -50,10 +50,13 @@ from .checkpoint_stem import (
     reading_checkpoint,
 )
 from .mapped import map_safetensors
-from .modeling_stem import StemLookup, check_token_ids, gather_rows, lookup_fuses
+from .modeling_stem import HOST_ROWS_AHEAD, StemLookup, check_token_ids, fetch_rows, gather_rows, lookup_fuses
 from .system import available_memory, check_disk_room
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
+# On CUDA, a forward with at least this many distinct ids (a prefill) fetches its rows layer by layer, overlapped with
+# the layers before (`StemPipelinedRows`); fewer (a decoding step) in one gather for every layer.
+PIPELINE_MIN_IDS = 1024
 # The one tensor in the mapped store's file (`STORE_NAME`, beside the weights): `[vocab, stem_layers, d_ff]`.
 STORE_TENSOR = "rows"
 
@@ -415,6 +418,38 @@ class StemOffloadedRows:
         return StemLookup(self.distinct(layer_idx), self.inverse)
 
 
+class StemPipelinedRows(StemOffloadedRows):
+    """One forward's rows fetched layer by layer on the engine's worker thread, `HOST_ROWS_AHEAD` STEM layers ahead of
+    the layer that reads them: each layer's gather and copy overlap the layers before it, as the model's own host
+    tables' rows do (`StemTableRows`), where one gather of every layer's rows would come before the first layer."""
+
+    def __init__(self, engine: "StemOffloadEngine", unique: torch.Tensor, inverse: torch.Tensor):
+        super().__init__(engine, None, None, inverse, None)
+        self.unique, self._ahead, self._served = unique, {}, set()
+        self.main = torch.cuda.current_stream(engine.device) if engine.cuda else None  # the stream that reads them
+
+    def distinct(self, layer_idx: int) -> torch.Tensor:
+        if layer_idx in self._served:  # asked again: fetched again, nothing ahead
+            rows, scales, ready = self.engine._fetch_layer(layer_idx, self.unique, self.main)
+        else:
+            self._fetch_ahead(layer_idx)
+            rows, scales, ready = self._ahead.pop(layer_idx).result()
+            self._served.add(layer_idx)
+        if ready is not None:
+            torch.cuda.current_stream(self.engine.device).wait_event(ready)
+        if scales is not None:  # dequantize the unique rows only, to the tables' dtype
+            dtype = self.engine.store.table_dtype
+            rows = rows.to(dtype) * scales[:, None].to(dtype)
+        return rows
+
+    def _fetch_ahead(self, layer_idx: int) -> None:
+        """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` STEM layers after it not yet started."""
+        layers = [layer for layer in sorted(self.engine.store.layers) if layer >= layer_idx]
+        for layer in layers[: 1 + HOST_ROWS_AHEAD]:
+            if layer not in self._ahead and layer not in self._served:
+                self._ahead[layer] = self.engine._pool().submit(self.engine._fetch_layer, layer, self.unique, self.main)
+
+
 class StemOffloadEngine:
     """Serves a STEM model's table rows from host memory. Use as a context manager or `attach()`/`detach()`:
 
@@ -426,7 +461,10 @@ class StemOffloadEngine:
     (default: the tables'). `free_tables`: once the store is built, drop the model's own tables (host memory is then
     the store's only). `store`: the path of a mapped store (`write_offload_store`) to gather from instead of building
     one in memory: for tables larger than memory (checked against the model's config and save; `allow_unverified`
-    accepts a store whose save cannot be compared with the model's, see `StemMappedTables`).
+    accepts a store whose save cannot be compared with the model's, see `StemMappedTables`). `pipeline_ids`: without
+    a row cache, a forward with at least this many distinct ids fetches its rows layer by layer on a worker thread,
+    ahead of the layers (`StemPipelinedRows`), and a smaller one in one gather for every layer (default:
+    `PIPELINE_MIN_IDS` on CUDA, where the copies overlap the layers; never elsewhere).
 
     Attached, the engine is the model's row source (`StemModel.row_source`), and `persist_edit` writes edits into the
     rows it serves through `read_rows`/`write_rows`/`kept_rows` (a store built in memory only: a mapped one refuses)."""
@@ -441,7 +479,13 @@ class StemOffloadEngine:
         free_tables: bool = False,
         store: str | os.PathLike | None = None,
         allow_unverified: bool = False,
+        pipeline_ids: int | None = None,
     ):
+        if pipeline_ids is not None and (isinstance(pipeline_ids, bool) or not isinstance(pipeline_ids, int)):
+            raise ValueError(f"pipeline_ids: {pipeline_ids!r} is not a whole number of distinct ids")
+        if pipeline_ids is not None and (pipeline_ids < 1 or cache_tokens):
+            problem = "is below 1" if pipeline_ids < 1 else "is an option of an engine without a row cache"
+            raise ValueError(f"pipeline_ids: {pipeline_ids} {problem}")
         base = model.base_model
         self.model, self.tables_module = model, base.stem_tables
         self.device = torch.device(device) if device is not None else base.embed_tokens.weight.device
@@ -462,6 +506,9 @@ class StemOffloadEngine:
             tables = {int(k): m.weight for k, m in self.tables_module.items()}
             self.store = StemHostTables(tables, dtype=dtype, int8=int8)
         self.cuda = self.device.type == "cuda"
+        if pipeline_ids is None and self.cuda and not cache_tokens:
+            pipeline_ids = PIPELINE_MIN_IDS
+        self.pipeline_ids = pipeline_ids
         n, width = len(self.store.layers), self.store.width
         dtype, vocab = self.store.data.dtype, self.store.vocab_size
         self.cache = StemRowCache(cache_tokens, vocab, n, width, dtype, self.device, int8) if cache_tokens else None
@@ -544,7 +591,7 @@ class StemOffloadEngine:
         was built), so later forwards serve them: those ids leave the row cache, and a planned gather is dropped."""
         self.check_writable()
         ids = self._host_ids(ids, "write_rows: ids")
-        self._drop_plan()  # waits for a background gather, which reads the store, and forgets its stale rows
+        self._settle_reads()
         self.store.write(layer, ids, rows)
         if self.cache is not None:
             self.cache.drop(ids)
@@ -559,7 +606,7 @@ class StemOffloadEngine:
         try:
             yield
         finally:
-            self._drop_plan()
+            self._settle_reads()
             self.store.restore(ids, rows, scales)
             if self.cache is not None:
                 self.cache.drop(ids)
@@ -650,13 +697,34 @@ class StemOffloadEngine:
         self._drop_plan()
         ids = ids.detach().cpu().long()  # as the forwards' ids are, which each chunk is compared with
         self._plan = deque(ids[:, start : start + chunk_size] for start in range(0, ids.shape[1], chunk_size))
-        self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="stem-rows")
         self._gather_ahead()
+
+    def _settle_reads(self) -> None:
+        """Before the store is written: the plan dropped (its stale rows forgotten) and every read the worker thread
+        has queued ended (a pipelined forward that raised may leave fetches of layers it never reached)."""
+        self._drop_plan()
+        if self._worker is not None:
+            self._worker.submit(int).result()  # one thread, in order: runs after everything queued before it
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """The worker thread that gathers ahead (planned chunks, pipelined layers), started on first use."""
+        self._worker = self._worker or ThreadPoolExecutor(1, thread_name_prefix="stem-rows")
+        return self._worker
 
     def _gather_ahead(self) -> None:
         """Starts gathering the next planned chunk's rows on the worker thread."""
         main = torch.cuda.current_stream(self.device) if self.cuda else None  # this thread's stream reads them
-        self._ahead = self._worker.submit(self._gather, self._plan[0], main) if self._plan else None
+        self._ahead = self._pool().submit(self._gather, self._plan[0], main) if self._plan else None
+
+    def _fetch_layer(self, layer: int, unique: torch.Tensor, main) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+        """STEM layer `layer`'s rows (and int8 scales) of host ids `unique` on the device, and the event that marks
+        their copies done (CUDA only; both copies run on one side stream, so the later event covers both)."""
+        slot = self.store.slot[layer]
+        rows, ready = fetch_rows(self.store.data[:, slot], unique, self.device, main)
+        if self.store.scales is None:
+            return rows, None, ready
+        scales, ready = fetch_rows(self.store.scales[:, slot], unique, self.device, main)
+        return rows, scales, ready
 
     def _gather(self, ids: torch.Tensor, main):
         """Unique rows of `ids` fetched (what `rows` does without a cache), and where each position's row is."""
@@ -695,8 +763,16 @@ class StemOffloadEngine:
                 return StemOffloadedRows(self, rows, scales, inverse.to(self.device, non_blocking=True), ready)
             self._drop_plan()
         if self.cache is None:  # what a planned forward got from the worker, fetched here and now
-            rows, scales, ready, inverse = self._gather(stem_input_ids.cpu(), None)
-            return StemOffloadedRows(self, rows, scales, inverse.to(self.device, non_blocking=True), ready)
+            host = stem_input_ids.cpu()
+            unique, inverse = torch.unique(host.reshape(-1), return_inverse=True)
+            inverse = inverse.view(host.shape).to(self.device, non_blocking=True)
+            if self.pipeline_ids is not None and len(unique) >= self.pipeline_ids:
+                self.fetched_tokens += len(unique)
+                if isinstance(self.store, StemMappedTables):
+                    self.store.advise(unique)  # every layer's rows of a token are one range: asked for at once
+                return StemPipelinedRows(self, unique, inverse)
+            rows, scales, ready = self._fetch(unique)
+            return StemOffloadedRows(self, rows, scales, inverse, ready)
         unique, inverse = torch.unique(stem_input_ids.reshape(-1).cpu(), return_inverse=True)
         inverse = inverse.view(stem_input_ids.shape).to(self.device, non_blocking=True)
         slots = self.cache.lookup(unique)
@@ -725,11 +801,13 @@ def offloaded(model: nn.Module, **kwargs) -> Iterator[StemOffloadEngine]:
 
 
 __all__ = [
+    "PIPELINE_MIN_IDS",
     "STORE_NAME",
     "StemHostTables",
     "StemMappedTables",
     "StemOffloadEngine",
     "StemOffloadedRows",
+    "StemPipelinedRows",
     "StemRowCache",
     "offloaded",
     "write_offload_store",

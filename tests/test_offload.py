@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from stem_hf import StemForCausalLM
 from stem_hf.modeling_stem import INDEX_SELECT_GRAIN, gather_rows, row_pieces
-from stem_hf.offload import StemHostTables, StemOffloadEngine, StemRowCache, offloaded
+from stem_hf.offload import StemHostTables, StemOffloadedRows, StemOffloadEngine, StemRowCache, offloaded
 from tests.conftest import benchmark_script, sensitive_model, tiny_model
 
 
@@ -468,3 +468,68 @@ def test_the_host_gather_benchmark_times_each_way_on_rows_it_checked_equal(monke
             timed = report[kind][f"threads_{t}"]
             assert all(timed[f"{way}_ms"] > 0 for way in ("index_select", "gather_rows", "per_layer"))
             assert timed["gather_rows_over_index_select"] > 0
+
+
+@pytest.mark.parametrize("store", ["memory", "int8", "mapped"])
+def test_a_large_forward_fetches_its_rows_layer_by_layer_ahead_of_the_layers(store, tmp_path, monkeypatch):
+    """Without a row cache, a forward of at least `pipeline_ids` distinct ids (a prefill; by default on CUDA only) is
+    served layer by layer: the worker thread fetches each STEM layer's rows `HOST_ROWS_AHEAD` layers ahead of the one
+    that reads them, each layer once, with the logits of the engine's one gather for every layer (and of the model's
+    own tables); a smaller forward (a decoding step) takes the one gather. A layer asked twice is fetched again."""
+    from stem_hf.modeling_stem import HOST_ROWS_AHEAD
+    from stem_hf.offload import StemPipelinedRows, write_offload_store
+
+    model = sensitive_model(table_dtype="bfloat16", stem_layers=[0, 1, 2, 3])
+    options = {"int8": True} if store == "int8" else {}
+    if store == "mapped":
+        model.save_pretrained(tmp_path / "ckpt")
+        model = StemForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+        options = {"store": write_offload_store(tmp_path / "ckpt")}
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    distinct = len(ids.unique())
+    settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with offloaded(model, **options) as engine, torch.no_grad():
+        assert engine.pipeline_ids is None  # on the CPU the default never pipelines: nothing to overlap
+        expected, tokens = model(ids).logits, model.generate(ids, **settings)
+    served, original = [], StemPipelinedRows.distinct
+
+    def distinct_then_record(rows, layer_idx):
+        out = original(rows, layer_idx)
+        served.append((layer_idx, sorted(rows._ahead)))
+        return out
+
+    monkeypatch.setattr(StemPipelinedRows, "distinct", distinct_then_record)
+    with offloaded(model, pipeline_ids=distinct, **options) as engine, torch.no_grad():
+        fetched, fetch = [], engine._fetch_layer
+
+        def fetch_and_record(layer, unique, main):
+            fetched.append((layer, len(unique)))
+            return fetch(layer, unique, main)
+
+        engine._fetch_layer = fetch_and_record
+        rows = engine(ids)
+        assert isinstance(rows, StemPipelinedRows) and engine.stats["fetched_tokens"] == distinct
+        logits = model(ids).logits
+        assert [layer for layer, _ in served] == [0, 1, 2, 3]  # in order, each with the next ones under way
+        assert [ahead for _, ahead in served] == [[1, 2], [2, 3], [3], []] and HOST_ROWS_AHEAD == 2
+        assert fetched == [(layer, distinct) for layer in range(4)]  # each layer once, only the distinct ids
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        once = rows[2]
+        torch.testing.assert_close(rows[2], once, rtol=0, atol=0)  # asked twice: fetched again
+        assert fetched[-1] == (2, distinct)
+        assert isinstance(engine(ids[:, :1]), StemOffloadedRows) and not isinstance(
+            engine(ids[:, :1]), StemPipelinedRows
+        )
+        assert torch.equal(model.generate(ids, **settings), tokens)  # the prompt pipelined, the decoding steps not
+    if store == "memory":
+        resident = model(ids).logits
+        torch.testing.assert_close(logits, resident, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "8"])
+def test_pipeline_ids_must_be_a_whole_number_of_at_least_one_without_a_row_cache(bad):
+    model = sensitive_model()
+    with pytest.raises(ValueError, match="pipeline_ids"):
+        StemOffloadEngine(model, pipeline_ids=bad)
+    with pytest.raises(ValueError, match="pipeline_ids: 8 is an option of an engine without a row cache"):
+        StemOffloadEngine(model, pipeline_ids=8, cache_tokens=16)
