@@ -1,17 +1,20 @@
 """The host side of serving tables from host memory: gathering one forward's distinct rows, at the GPU benchmark's 0.75B
 shape (vocab 32000, d_ff 5632, bf16; the batch's 8 x 1024 ids, uniform and Zipf), as `bench_gpu.py` times it end to
-end on a GPU. Three ways, paired in rounds:
+end on a GPU. Four ways, paired in rounds:
 
 - `index_select`: `torch.index_select` on the offload engine's token-major store (`StemHostTables`, `[vocab, layers,
-  d_ff]`: a row is a token's rows over every STEM layer), what the engine did before `gather_rows`;
-- `gather_rows`: the same rows by `gather_rows` (rows cut in pieces below index_select's grain), what it does now;
-- `per_layer`: one `index_select` per STEM layer from its own `[vocab, d_ff]` table, the model's own host path.
+  d_ff]`: a row is a token's rows over every STEM layer), what the engine's one gather did before `gather_rows`;
+- `gather_rows`: the same rows by `gather_rows` (rows cut in pieces below index_select's grain), what the one gather
+  does now (a decoding step, a planned chunk, a row cache's misses);
+- `store_per_layer`: one gather per STEM layer from the store's strided slot of that layer, what the engine's
+  pipelined prefill does (`StemPipelinedRows`, a layer at a time ahead of the layers);
+- `per_layer`: one gather per STEM layer from its own `[vocab, d_ff]` table, the model's own host path.
 
 torch's CPU index_select copies a row of at least `INDEX_SELECT_GRAIN` elements (6 x 5632 = 33792 here) with a parallel
 copy of its own, a thread-pool round trip per row, so its cost grows with threads: timed at each of `--threads`.
-`GBps` counts the rows' bytes. Saves JSON.
+`GBps` counts the rows' bytes. Saves JSON after each STEM ratio (`complete` once all are in).
 
-    python benchmarks/bench_host_gather.py          # benchmarks/results/bench_host_gather.json: a few minutes
+    python benchmarks/bench_host_gather.py          # benchmarks/results/bench_host_gather.json: a minute
     python benchmarks/bench_host_gather.py --vocab 600 --batch-size 2 --seq-len 64 --repeats 1 --out /tmp/g.json
 """
 
@@ -47,9 +50,10 @@ def paired_ms(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def gather_per_layer(tables: dict[int, torch.Tensor], ids: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    for table, out in zip(tables.values(), outs, strict=True):
-        torch.index_select(table, 0, ids, out=out)
+def gather_per_layer(tables: list[torch.Tensor], ids: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """Each layer's rows of `ids` as the per-layer fetches gather them (`fetch_rows`)."""
+    for table, out in zip(tables, outs, strict=True):
+        gather_rows(table, ids, out=out)
 
 
 def run(spec: str, args) -> dict:
@@ -68,11 +72,15 @@ def run(spec: str, args) -> dict:
         fns = {
             "index_select": partial(torch.index_select, store.data, 0, unique, out=staging),
             "gather_rows": partial(gather_rows, store.data, unique, out=staging),
-            "per_layer": partial(gather_per_layer, tables, unique, per_layer),
+            "store_per_layer": partial(gather_per_layer, [store.data[:, i] for i in range(layers)], unique, per_layer),
+            "per_layer": partial(gather_per_layer, list(tables.values()), unique, per_layer),
         }
         gathered = gather_rows(store.data, unique)
         if not torch.equal(gathered, torch.index_select(store.data, 0, unique)):
             raise AssertionError("gather_rows gathered other rows than index_select")
+        fns["store_per_layer"]()
+        if not all(torch.equal(per_layer[i], gathered[:, i]) for i in range(layers)):
+            raise AssertionError("the store's per-layer gathers gathered other rows")
         gb = staging.numel() * staging.element_size() / 1e9
         row = {"distinct_ids": len(unique), "gathered_mb": round(gb * 1e3, 1)}
         for threads in args.threads:
@@ -111,6 +119,8 @@ def main() -> None:
     }
     for spec in tqdm(LAYERS, desc="host gather"):
         report[spec] = run(spec, args)
+        save({**report, "complete": False}, args.out)  # what a run stopped midway measured stays
+    report["complete"] = True
     save(report, args.out)
     print(report)
 

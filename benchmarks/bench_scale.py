@@ -475,7 +475,9 @@ def main() -> None:
     )
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON, run nothing")
     parser.add_argument("--step", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args()
+    args, rest = parser.parse_known_args()  # a step's own arguments, as JSON, follow `--step`
+    if rest and not args.step:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.step:
         print(json.dumps(STEPS[args.step](**json.loads(rest[0]))))
         return

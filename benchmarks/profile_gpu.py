@@ -43,6 +43,14 @@ DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 64, 256, 16
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
+def variants(text: str) -> list[str]:
+    """The type of `--only`: variants among `VARIANTS`, comma-separated (empty: all)."""
+    chosen = list(filter(None, text.split(",")))
+    if any(name not in VARIANTS for name in chosen):
+        raise argparse.ArgumentTypeError(f"must be among {', '.join(VARIANTS)}, comma-separated, not {text!r}")
+    return chosen or list(VARIANTS)
+
+
 def profiled(step: Callable[[], object], device: torch.device, top: int) -> dict:
     """One profiled `step` after two warm-ups: its wall time, the device's kernel time and the operators' own host
     time, summed, and the operators that take the most of each (on a CPU, device time is host time)."""
@@ -125,7 +133,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, default=1024)
     parser.add_argument("--top", type=positive_int, default=30)
-    parser.add_argument("--only", default="", help="comma-separated variants (default: all): " + ", ".join(VARIANTS))
+    parser.add_argument("--only", type=variants, default="", help="comma-separated variants (default: all): "
+                        + ", ".join(VARIANTS))  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/profile_gpu.json")
     parser.add_argument("--bounds-of", help="a saved profile: write its `bounds` to --out, profile nothing")
     args = parser.parse_args()
@@ -139,9 +148,7 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     device = torch.device(args.device)
-    only = set(filter(None, args.only.split(","))) or set(VARIANTS)
-    if only - set(VARIANTS):
-        parser.error(f"unknown variants {sorted(only - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
+    only = set(args.only)
     ids = token_ids("uniform", (args.batch_size, args.seq_len), VOCAB[args.shape], device)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args),
               "torch": torch.__version__, "ids": "uniform"}  # fmt: skip

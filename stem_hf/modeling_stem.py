@@ -8,6 +8,7 @@ the input token id `t`. Every other weight keeps `LlamaForCausalLM`'s name, so a
 Copied next to the weights by `save_pretrained`: imports nothing beyond torch and transformers.
 """
 
+import functools
 import importlib.util
 import inspect
 import math
@@ -306,6 +307,7 @@ INDEX_SELECT_GRAIN = 32768
 MIN_PIECE = 1024  # narrower pieces would cost more in index arithmetic than the wide rows' round trips
 
 
+@functools.cache
 def row_pieces(row: int) -> int:
     """Into how many equal pieces `gather_rows` cuts a row of `row` elements: the fewest below `INDEX_SELECT_GRAIN`
     (1 for rows already below it, and for rows that no split leaves pieces of at least `MIN_PIECE`)."""
@@ -318,18 +320,20 @@ def row_pieces(row: int) -> int:
 def gather_rows(source: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`torch.index_select(source, 0, ids, out=out)` for host rows of any width at the speed of one memcpy per row:
     a contiguous CPU `source` whose rows reach `INDEX_SELECT_GRAIN` elements (a token's rows for every STEM layer; a
-    wide table) is gathered as rows cut in `row_pieces` pieces, each below it. The same bounds check: an id outside
-    `[0, len(source))` makes a piece's index fall outside too."""
+    wide table) is gathered as rows cut in `row_pieces` pieces, each below it. The same checks: an id outside
+    `[0, len(source))` makes a piece's index fall outside too, and ids of a dtype index_select refuses go to it."""
     pieces = row_pieces(source[0].numel()) if source.dim() > 1 and source.shape[0] else 1
     shape = (len(ids), *source.shape[1:]) if ids.dim() == 1 else None
     flat = source.device.type == "cpu" and source.is_contiguous() and shape is not None
+    flat = flat and ids.dtype in (torch.int32, torch.int64)  # arithmetic on other dtypes would wrap or cast
     if out is not None:  # anything but a contiguous buffer of the result's shape: as index_select takes it
         flat = flat and out.is_contiguous() and out.shape == shape and out.dtype == source.dtype
     if pieces == 1 or not flat:
         return torch.index_select(source, 0, ids, out=out)
-    out = source.new_empty(shape) if out is None else out
-    piece_ids = (ids[:, None] * pieces + torch.arange(pieces, device=ids.device)).view(-1)
+    piece_ids = (ids.long()[:, None] * pieces + torch.arange(pieces, device=ids.device)).view(-1)
     width = source[0].numel() // pieces
+    if out is None:  # no `out=`: differentiable, as index_select is
+        return torch.index_select(source.view(-1, width), 0, piece_ids).view(shape)
     torch.index_select(source.view(-1, width), 0, piece_ids, out=out.view(-1, width))
     return out
 
@@ -609,7 +613,7 @@ class StemTableRows:
     model on an accelerator is read on the host for the batch's distinct ids only, and only those rows cross: a worker
     thread gathers them into pinned memory and copies them on a side stream `HOST_ROWS_AHEAD` STEM layers ahead, so
     the reads and copies overlap the layers before. Rows stay differentiable in the host table (`StemHostRowsGrad`).
-    An offload engine returns an object with the same `__getitem__` that serves rows it gathered for all layers at once.
+    An offload engine returns an object with the same `__getitem__` and `lookup`, serving rows from its own store.
     Under torch.compile in training, the rows of tables with sparse gradients come from outside the graph
     (`rows_outside_graph`, before the layers; `outside_rows` holds them).
     """
@@ -747,7 +751,9 @@ class StemTableRows:
         return fetch_rows(table.weight.detach(), unique, self.stem_input_ids.device, main)
 
 
-def fetch_rows(source: torch.Tensor, unique: torch.Tensor, device: torch.device, main) -> tuple[torch.Tensor, object]:
+def fetch_rows(
+    source: torch.Tensor, unique: torch.Tensor, device: torch.device, main: "torch.cuda.Stream | None"
+) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
     """The rows of host ids `unique` of host tensor `source` on `device`, and the event that marks their copy done
     (CUDA only): gathered into pinned memory, whose copy runs on a side stream while `main` (the stream that will read
     them) computes. What a worker thread runs ahead of the layers (`StemTableRows`, the offload engine)."""
@@ -1085,7 +1091,7 @@ class StemDecoderLayer(GradientCheckpointingLayer):
             # The model's own rows may be gathered inside the MLP's kernel (`StemTableRows.lookup`), where the MLP is
             # this file's and nothing hooks it: a replaced MLP (healing's blend) or a hook reading it wants rows.
             mlp = self.mlp
-            own = type(mlp) is StemTableMLP and not _hooked(mlp) and hasattr(stem_rows, "lookup")
+            own = type(mlp) is StemTableMLP and not _hooked(mlp) and callable(getattr(type(stem_rows), "lookup", None))
             hidden_states = mlp(hidden_states, stem_rows.lookup(self.layer_idx) if own else stem_rows[self.layer_idx])
         else:
             hidden_states = self.mlp(hidden_states)

@@ -7,8 +7,10 @@
 - `StemOffloadEngine`: per forward, deduplicates the batch's ids once, gathers the unique rows for all layers in one
   multithreaded gather (`gather_rows`: one memcpy per row, however wide) into a pinned staging buffer (two, used in
   turn, so a gather never overwrites rows still being copied), copies them to the accelerator on a side stream, and
-  hands each STEM layer its rows. A device-resident row cache (LFU, LRU among equals) keeps frequent tokens' rows so
-  decode rarely fetches again. `plan(prompt, chunk_size)` announces a chunked prefill: while one chunk computes, a
+  hands each STEM layer its rows. On CUDA, a large forward without a row cache (a prefill) is fetched layer by layer
+  instead, each layer's rows gathered and copied on a worker thread ahead of the layers that read them
+  (`StemPipelinedRows`). A device-resident row cache (LFU, LRU among equals) keeps frequent tokens' rows so decode
+  rarely fetches again. `plan(prompt, chunk_size)` announces a chunked prefill: while one chunk computes, a
   background thread gathers (and starts copying) the next chunk's rows into the other staging buffer.
 
 - `StemMappedTables`: the same token-major layout as a file (`write_offload_store`, written once beside the checkpoint),
@@ -464,7 +466,8 @@ class StemOffloadEngine:
     accepts a store whose save cannot be compared with the model's, see `StemMappedTables`). `pipeline_ids`: without
     a row cache, a forward with at least this many distinct ids fetches its rows layer by layer on a worker thread,
     ahead of the layers (`StemPipelinedRows`), and a smaller one in one gather for every layer (default:
-    `PIPELINE_MIN_IDS` on CUDA, where the copies overlap the layers; never elsewhere).
+    `PIPELINE_MIN_IDS` on CUDA, where the copies overlap the layers, for a store in memory; by default never on a CPU
+    or from a mapped store, whose pages a layer-by-layer read would visit once per layer).
 
     Attached, the engine is the model's row source (`StemModel.row_source`), and `persist_edit` writes edits into the
     rows it serves through `read_rows`/`write_rows`/`kept_rows` (a store built in memory only: a mapped one refuses)."""
@@ -506,8 +509,8 @@ class StemOffloadEngine:
             tables = {int(k): m.weight for k, m in self.tables_module.items()}
             self.store = StemHostTables(tables, dtype=dtype, int8=int8)
         self.cuda = self.device.type == "cuda"
-        if pipeline_ids is None and self.cuda and not cache_tokens:
-            pipeline_ids = PIPELINE_MIN_IDS
+        if pipeline_ids is None and self.cuda and not cache_tokens and store is None:
+            pipeline_ids = PIPELINE_MIN_IDS  # a mapped store's pages would be read a layer at a time: not by default
         self.pipeline_ids = pipeline_ids
         n, width = len(self.store.layers), self.store.width
         dtype, vocab = self.store.data.dtype, self.store.vocab_size
@@ -716,7 +719,9 @@ class StemOffloadEngine:
         main = torch.cuda.current_stream(self.device) if self.cuda else None  # this thread's stream reads them
         self._ahead = self._pool().submit(self._gather, self._plan[0], main) if self._plan else None
 
-    def _fetch_layer(self, layer: int, unique: torch.Tensor, main) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+    def _fetch_layer(
+        self, layer: int, unique: torch.Tensor, main: "torch.cuda.Stream | None"
+    ) -> tuple[torch.Tensor, torch.Tensor | None, "torch.cuda.Event | None"]:
         """STEM layer `layer`'s rows (and int8 scales) of host ids `unique` on the device, and the event that marks
         their copies done (CUDA only; both copies run on one side stream, so the later event covers both)."""
         slot = self.store.slot[layer]

@@ -367,10 +367,14 @@ def test_a_planned_prefill_gathers_and_copies_each_next_chunk_in_the_background_
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_a_pipelined_prefill_copies_each_layers_rows_on_the_side_stream_ahead_of_it_on_cuda(int8):
+def test_a_pipelined_prefill_copies_each_layers_rows_on_the_side_stream_ahead_of_it_on_cuda(int8, monkeypatch):
     """A forward of at least `pipeline_ids` distinct ids fetches layer by layer on the worker thread, each layer's
-    copy on the side stream waited for by an event: the logits and tokens of the engine's one gather for every layer.
-    By default (`PIPELINE_MIN_IDS`) only a large prefill does; here every forward of 8 distinct ids or more."""
+    copy on the side stream waited for by an event: the logits and tokens of the engine's one gather for every layer,
+    even with every copy held back on the side stream (a sleep queued before it), so that a missing wait would read
+    rows not yet there. By default (`PIPELINE_MIN_IDS`) only a large prefill does; here every forward of 8 distinct
+    ids or more."""
+    from stem_hf import offload
+    from stem_hf.modeling_stem import _COPY_STREAMS, _side_stream
     from stem_hf.offload import PIPELINE_MIN_IDS, StemPipelinedRows
 
     model = sensitive_model(stem_layers=[0, 1, 2, 3]).to(CUDA)
@@ -379,16 +383,23 @@ def test_a_pipelined_prefill_copies_each_layers_rows_on_the_side_stream_ahead_of
     with torch.no_grad(), offloaded(model, int8=int8) as one_gather:
         assert one_gather.pipeline_ids == PIPELINE_MIN_IDS > len(ids.unique())  # a prefill this small: one gather
         expected, tokens = model(ids).logits, model.generate(ids, **kwargs)
+    fetch = offload.fetch_rows
+
+    def held_back(source, unique, device, main):
+        with torch.cuda.stream(_side_stream(_COPY_STREAMS, device)):
+            torch.cuda._sleep(20_000_000)  # tens of milliseconds of the side stream before the copy
+        return fetch(source, unique, device, main)
+
+    monkeypatch.setattr(offload, "fetch_rows", held_back)
     with torch.no_grad(), offloaded(model, int8=int8, pipeline_ids=8) as engine:
         rows = engine(ids)
         assert isinstance(rows, StemPipelinedRows) and rows.main == torch.cuda.current_stream(CUDA)
+        _, _, ready = engine._fetch_layer(3, rows.unique, rows.main)
+        assert isinstance(ready, torch.cuda.Event) and not ready.query()  # held back indeed
         first = rows[0]
         assert first.device == CUDA and len(rows._ahead) == 2  # layers 1 and 2 under way
         _assert_close(model(ids).logits, expected, 1e-6)
         assert torch.equal(model.generate(ids, **kwargs), tokens)
-        layer, unique, main = 3, rows.unique, torch.cuda.current_stream(CUDA)
-        _, _, ready = engine._fetch_layer(layer, unique, main)
-        assert isinstance(ready, torch.cuda.Event)
 
 
 def test_a_cuda_device_map_load_serves_freed_tables_from_the_store(tmp_path):

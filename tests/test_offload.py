@@ -86,21 +86,32 @@ class _IndexSelects(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
 def test_gather_rows_gives_index_selects_rows_and_errors_at_any_width(dtype):
-    for shape in [(40, 3), (40, 2, 16384), (40, 3, 11264), (40, 32771)]:  # below the grain, 2 and 3 pieces, prime
+    assert [row_pieces(n) for n in (3, 32767, 32768, 6 * 5632, 12 * 5632, 32771)] == [1, 1, 2, 2, 3, 1]  # 32771: prime
+    for shape in [(40, 3), (40, 2, 16384), (40, 12, 5632), (40, 32771)]:  # below the grain, 2 and 3 pieces, prime
         source = (torch.randn(shape) * 40).to(dtype)
         ids = torch.tensor([3, 0, 39, 3, 17])
-        with _IndexSelects() as calls:
-            rows = gather_rows(source, ids)
-        assert torch.equal(rows, source[ids]) and rows.shape == (5, *shape[1:])
         row = source[0].numel()
-        assert calls.widths == [row // row_pieces(row)] and (row == 32771 or max(calls.widths) < INDEX_SELECT_GRAIN)
+        for index in (ids, ids.int()):
+            with _IndexSelects() as calls:
+                rows = gather_rows(source, index)
+            assert torch.equal(rows, source[ids]) and rows.shape == (5, *shape[1:])
+            assert calls.widths == [row // row_pieces(row)] and (row == 32771 or max(calls.widths) < INDEX_SELECT_GRAIN)
         staging = torch.empty((8, *shape[1:]), dtype=dtype)  # the engine gathers into the front of a larger buffer
         assert gather_rows(source, ids, out=staging[:5]).data_ptr() == staging.data_ptr()
         assert torch.equal(staging[:5], source[ids])
-        assert torch.equal(gather_rows(source[:, None].transpose(0, 1)[0], ids), source[ids])  # a view: as it is
+        with _IndexSelects() as calls:  # not contiguous: index_select's own way, whole rows
+            assert torch.equal(gather_rows(source[::2], ids // 2), source[::2][ids // 2])
+        assert calls.widths == [row]
         for bad in (40, -1):  # a piece's index falls outside too: index_select's own error
             with pytest.raises(IndexError, match="out of range"):
                 gather_rows(source, torch.tensor([1, bad]))
+        for index in (torch.tensor([True, False]), torch.tensor([200, 250], dtype=torch.uint8)):  # never cast
+            with pytest.raises(RuntimeError, match="Expected dtype int32 or int64"):
+                gather_rows(source, index)
+    if dtype.is_floating_point:  # without `out`, differentiable as index_select is
+        source = torch.randn((6, 2, 16384), dtype=dtype, requires_grad=True)
+        gather_rows(source, torch.tensor([4, 1, 4])).sum().backward()
+        assert source.grad[4].eq(2).all() and source.grad[1].eq(1).all() and source.grad[[0, 2, 3, 5]].eq(0).all()
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -466,7 +477,8 @@ def test_the_host_gather_benchmark_times_each_way_on_rows_it_checked_equal(monke
         assert report[kind]["distinct_ids"] == len(bench.token_ids(kind, (2, 40), 300, torch.device("cpu")).unique())
         for t in (1, 2):
             timed = report[kind][f"threads_{t}"]
-            assert all(timed[f"{way}_ms"] > 0 for way in ("index_select", "gather_rows", "per_layer"))
+            ways = ("index_select", "gather_rows", "store_per_layer", "per_layer")
+            assert all(timed[f"{way}_ms"] > 0 for way in ways)
             assert timed["gather_rows_over_index_select"] > 0
 
 
@@ -476,6 +488,7 @@ def test_a_large_forward_fetches_its_rows_layer_by_layer_ahead_of_the_layers(sto
     served layer by layer: the worker thread fetches each STEM layer's rows `HOST_ROWS_AHEAD` layers ahead of the one
     that reads them, each layer once, with the logits of the engine's one gather for every layer (and of the model's
     own tables); a smaller forward (a decoding step) takes the one gather. A layer asked twice is fetched again."""
+    from stem_hf import modeling_stem
     from stem_hf.modeling_stem import HOST_ROWS_AHEAD
     from stem_hf.offload import StemPipelinedRows, write_offload_store
 
@@ -515,12 +528,22 @@ def test_a_large_forward_fetches_its_rows_layer_by_layer_ahead_of_the_layers(sto
         assert fetched == [(layer, distinct) for layer in range(4)]  # each layer once, only the distinct ids
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
         once = rows[2]
+        rows._ahead[3].result()  # the layer after it, under way on the worker: done before the refetch
         torch.testing.assert_close(rows[2], once, rtol=0, atol=0)  # asked twice: fetched again
-        assert fetched[-1] == (2, distinct)
+        assert fetched[-1] == (2, distinct) and fetched.count((2, distinct)) == 3
         assert isinstance(engine(ids[:, :1]), StemOffloadedRows) and not isinstance(
             engine(ids[:, :1]), StemPipelinedRows
         )
         assert torch.equal(model.generate(ids, **settings), tokens)  # the prompt pipelined, the decoding steps not
+        model.config.fused_table_lookup = True  # the layers gather the pipelined rows inside their own kernel
+        lookups, fuse = [], modeling_stem.fused_gated_lookup
+        monkeypatch.setattr(
+            modeling_stem, "fused_gated_lookup", lambda g, lookup: lookups.append(lookup) or fuse(g, lookup)
+        )
+        fused = model(ids).logits
+        model.config.fused_table_lookup = None
+        assert [lookup.table.shape[0] for lookup in lookups] == [distinct] * 4
+        torch.testing.assert_close(fused, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
     if store == "memory":
         resident = model(ids).logits
         torch.testing.assert_close(logits, resident, rtol=0, atol=0)

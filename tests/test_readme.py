@@ -155,26 +155,29 @@ def test_the_docs_pass_options_to_benchmarks():
 
 # Parses each command line given as JSON on stdin as `python SCRIPT ARGS` would (the script's folder first on the
 # path), all in one process, so the imports (torch, transformers) are paid once: the script runs until its parser has
-# read the whole line, which ends it (`--help` would end it sooner, before an unknown option is reported). Prints each
-# one's exit status and the end of what it wrote to stderr, as JSON.
+# read the whole line, which ends it (`--help` would end it sooner, before an unknown option is reported; arguments
+# left unread by `parse_known_args` are refused). Checks a script makes after parsing (one option against another) do
+# not run. Prints each one's exit status and the end of what it wrote to stderr, as JSON.
 _PARSE_ALL = """
 import argparse, contextlib, io, json, os, runpy, sys
-class Parsed(Exception):
+class Parsed(BaseException):  # not an Exception: a script's `except Exception` cannot swallow it and go on
     pass
 inside = []
-def stop_after(parse):
+def stop_after(parse, known):
     def parsed(self, *args, **kwargs):
         if inside:  # parse_args reading its line through parse_known_args: it checks the rest itself
             return parse(self, *args, **kwargs)
         inside.append(parse)
         try:
-            parse(self, *args, **kwargs)
+            out = parse(self, *args, **kwargs)
         finally:
             inside.pop()
+        if known and out[1]:  # what a script reading known arguments would leave unread
+            self.error("unrecognized arguments: " + " ".join(out[1]))
         raise Parsed
     return parsed
-argparse.ArgumentParser.parse_args = stop_after(argparse.ArgumentParser.parse_args)
-argparse.ArgumentParser.parse_known_args = stop_after(argparse.ArgumentParser.parse_known_args)
+argparse.ArgumentParser.parse_args = stop_after(argparse.ArgumentParser.parse_args, False)
+argparse.ArgumentParser.parse_known_args = stop_after(argparse.ArgumentParser.parse_known_args, True)
 results = []
 for script, arguments in json.load(sys.stdin):
     sys.argv, sys.path[0] = [script, *arguments], os.path.dirname(os.path.abspath(script))
@@ -186,6 +189,8 @@ for script, arguments in json.load(sys.stdin):
         code = 0
     except SystemExit as exit:
         code = exit.code
+    except Exception as error:
+        code = f"raised {error!r}"
     results.append([code, err.getvalue()[-2000:]])
 print(json.dumps(results))
 """
@@ -216,12 +221,18 @@ def test_a_bad_benchmark_command_line_fails_to_parse():
     import json
 
     runs = [["benchmarks/bench_gpu.py", ["--no-such-option"]], ["benchmarks/bench_gpu.py", ["--skip", "nothing"]],
-            ["benchmarks/bench_gpu.py", ["--skip", "decode"]]]  # fmt: skip
+            ["benchmarks/bench_scale.py", ["--quick", "--no-such-option"]],
+            ["benchmarks/profile_gpu.py", ["--only", "no_such_variant"]],
+            ["benchmarks/bench_gpu.py", ["--skip", "decode"]], ["benchmarks/bench_scale.py", ["--quick"]]]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", _PARSE_ALL], input=json.dumps(runs), cwd=ROOT, capture_output=True,
                           text=True, check=True)  # fmt: skip
-    (option, option_err), (value, value_err), (good, _) = json.loads(done.stdout)
+    results = json.loads(done.stdout)
+    (option, option_err), (value, value_err), (known, known_err), (variant, variant_err), *good = results
     assert option == 2 and "unrecognized arguments: --no-such-option" in option_err
-    assert value == 2 and "argument --skip: must be among" in value_err and good == 0
+    assert value == 2 and "argument --skip: must be among" in value_err
+    assert known == 2 and "unrecognized arguments: --no-such-option" in known_err  # a parse_known_args script
+    assert variant == 2 and "argument --only: must be among" in variant_err
+    assert [code for code, _ in good] == [0, 0]
 
 
 def _slug(heading: str) -> str:
