@@ -5,7 +5,7 @@
   fp32 scale per row (half the bytes of bf16). Only the staging buffers are pinned: pinning the whole store would lock
   (and round up) host memory the size of every table.
 - `StemOffloadEngine`: per forward, deduplicates the batch's ids once, gathers the unique rows for all layers in one
-  multithreaded gather (`gather_rows`: one memcpy per row, however wide) into a pinned staging buffer (two, used in
+  multithreaded gather (`gather_rows`: a memcpy per row, wide rows in pieces) into a pinned staging buffer (two, used in
   turn, so a gather never overwrites rows still being copied), copies them to the accelerator on a side stream, and
   hands each STEM layer its rows. On CUDA, a large forward without a row cache (a prefill) is fetched layer by layer
   instead, each layer's rows gathered and copied on a worker thread ahead of the layers that read them
