@@ -24,7 +24,8 @@ With one:
 5. `benchmarks/profile_gpu.py` in a subprocess, if time is left: prefill and a train step of dense and STEM profiled
    beside each other (what STEM saves in matrix products, `bounds`), and the host-table and engine prefills.
 6. `benchmarks/bench_host_gather.py` in a subprocess, if time is left: the host side of the engine's gather at the
-   0.75B shape, `index_select` against `gather_rows`, on one thread and on every core of the GPU's host.
+   0.75B shape, `index_select` against `gather_rows` and the per-layer gathers, on one thread and on every core of the
+   GPU's host.
 
 Every part is time-boxed (`--budget-s`, default 570 s: the whole check stays under 10 minutes); a part that would not
 fit is reported as skipped, and a watchdog prints what was measured so far if the budget runs out anyway. `parts` in
