@@ -519,19 +519,30 @@ def rows_dynamic(*tensors: torch.Tensor | None) -> None:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
+def _launch_failed(error: Exception) -> bool:
+    """Whether `error`, raised by a compiled kernel, is Triton's own (a kernel it built but cannot launch on this GPU:
+    out of resources, an unsupported instruction), not one the inputs or the eager code would raise too."""
+    triton = (type(error).__module__ or "").split(".")[0] == "triton"
+    return triton or (isinstance(error, RuntimeError) and str(error).startswith("Triton Error"))
+
+
 def _run_compiled(fn: Callable, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`fn(*args)` compiled, dynamic over the first axis of its arguments (`rows_dynamic`); where inductor cannot
-    build it for this device type on this machine (no working compiler or Triton), `fn` as it is, from then on, with
-    a warning."""
+    build it for this device type on this machine (no working compiler or Triton), or Triton cannot launch what it
+    built, `fn` as it is, from then on, with a warning. Any other error is raised."""
     device_type = args[0].device.type
     rows_dynamic(*args)
     try:
         return _compiled(fn, device_type)(*args)
     except torch._dynamo.exc.BackendCompilerFailed as error:
-        where = f"{fn.__name__} for {device_type}"
-        logger.warning_once(f"fused_table_lookup: inductor cannot compile {where}, which runs eager: {error}")
-        _COMPILED[fn, device_type] = fn
-        return fn(*args)
+        problem, failure = f"inductor cannot compile {fn.__name__} for {device_type}", error
+    except Exception as error:
+        if not _launch_failed(error):
+            raise
+        problem, failure = f"Triton cannot launch the kernel of {fn.__name__} for {device_type}", error
+    logger.warning_once(f"fused_table_lookup: {problem}, which runs eager: {failure}")
+    _COMPILED[fn, device_type] = fn
+    return fn(*args)
 
 
 class StemGatedLookup(torch.autograd.Function):

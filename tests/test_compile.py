@@ -478,6 +478,51 @@ def test_a_fused_lookup_inductor_cannot_build_runs_eager_with_a_warning(monkeypa
     assert "inductor cannot compile gated_lookup for cpu" in caplog.text
 
 
+class _OutOfResources(Exception):
+    """What Triton raises at a kernel's launch when the GPU lacks what it needs (`triton.runtime.errors`)."""
+
+
+_OutOfResources.__module__ = "triton.runtime.errors"
+
+
+@pytest.mark.parametrize(
+    "error", [_OutOfResources("shared memory"), RuntimeError("Triton Error [CUDA]: invalid argument")], ids=repr
+)
+def test_a_fused_lookup_whose_kernel_triton_cannot_launch_runs_eager_with_a_warning(monkeypatch, caplog, error):
+    """A GPU on which Triton builds the fused kernel but cannot launch it (stood in for here: the compiled function
+    raises Triton's error, as no GPU is at hand) gets the unfused logits and gradients and a warning, from then on; an
+    error that is not Triton's is raised."""
+    import logging
+
+    model, ids = sensitive_model(table_dtype="float32", fused_table_lookup=True), _ids(8)
+    reference = sensitive_model(table_dtype="float32")
+    with torch.no_grad():
+        expected = reference(ids).logits
+
+    def fails(*args):
+        raise error
+
+    kernels = (modeling_stem.gated_lookup, modeling_stem.gated_lookup_grads)
+    monkeypatch.setattr(modeling_stem, "_COMPILED", {(kernel, "cpu"): fails for kernel in kernels})
+    with caplog.at_level(logging.WARNING):
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-6)
+        model(ids, labels=ids).loss.backward()  # the backward's kernel too
+    reference(ids, labels=ids).loss.backward()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    assert modeling_stem._COMPILED[modeling_stem.gated_lookup, "cpu"] is modeling_stem.gated_lookup
+    assert modeling_stem._COMPILED[modeling_stem.gated_lookup_grads, "cpu"] is modeling_stem.gated_lookup_grads
+    assert "Triton cannot launch the kernel of gated_lookup for cpu" in caplog.text
+
+    def other(*args):
+        raise ValueError("not Triton's")
+
+    monkeypatch.setattr(modeling_stem, "_COMPILED", {(modeling_stem.gated_lookup, "cpu"): other})
+    with torch.no_grad(), pytest.raises(ValueError, match="not Triton's"):
+        model(ids)
+
+
 @pytest.mark.slow
 def test_the_fused_lookups_backward_is_one_kernel_giving_autograds_gradients():
     """`gated_lookup_grads` compiled: one kernel writes both gradients (the gate's, each position's row's), which are
