@@ -21,11 +21,10 @@ copy of its own, a thread-pool round trip per row, so its cost grows with thread
 import argparse
 import os
 import statistics
-import time
 from functools import partial
 
 import torch
-from bench_gpu import SHAPES, VOCAB, save, token_ids
+from bench_gpu import SHAPES, VOCAB, paired_s, save, token_ids
 from tqdm import tqdm
 
 from stem_hf.cli_args import positive_int, positive_ints
@@ -36,18 +35,9 @@ LAYERS = {"1/2": 6, "full": 12}  # the STEM layers of the 0.75B shape's 12
 
 
 def paired_ms(fns: dict, repeats: int) -> dict[str, float]:
-    """Median milliseconds of each of `fns` over `repeats` rounds after a warm-up, in turn within a round (reversed
-    every other round)."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for round_ in range(repeats):
-        names = list(fns) if round_ % 2 == 0 else list(reversed(fns))
-        for name in names:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    """Median milliseconds of each of `fns`, timed in turn over `repeats` rounds (`bench_gpu.paired_s`)."""
+    times = paired_s(list(fns.values()), repeats, torch.device("cpu"))
+    return {name: statistics.median(t) * 1e3 for name, t in zip(fns, times, strict=True)}
 
 
 def gather_per_layer(tables: list[torch.Tensor], ids: torch.Tensor, outs: list[torch.Tensor]) -> None:

@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -747,19 +747,23 @@ class StemTableRows:
 
     def _fetch_ahead(self, layer_idx: int) -> None:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
-        layers = sorted(
-            int(k) for k, t in self.tables.items() if int(k) >= layer_idx and self.host_served(t) and self.pipelined(t)
-        )
+        layers = [int(k) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
         unique, _ = self.distinct()
         main = self._main_stream()  # read in this thread: the worker's current stream is another
-        for layer in layers[: 1 + HOST_ROWS_AHEAD]:
-            if layer not in self._ahead and layer not in self._served:
-                self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
+        for layer in layers_ahead(layers, layer_idx, (self._ahead, self._served)):
+            self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
 
     def _fetch(self, table: nn.Embedding, unique: torch.Tensor, main) -> tuple[torch.Tensor, object]:
         """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only)."""
         settle(table.weight)  # on the worker: the layers before go on while a write behind finishes
         return fetch_rows(table.weight.detach(), unique, self.stem_input_ids.device, main)
+
+
+def layers_ahead(layers: Iterable[int], layer_idx: int, started: tuple[Container[int], ...]) -> list[int]:
+    """Of `layers`, `layer_idx` and the `HOST_ROWS_AHEAD` after it, less those in any of `started`: the fetches to
+    start when `layer_idx` asks for its rows."""
+    upcoming = sorted(layer for layer in layers if layer >= layer_idx)[: 1 + HOST_ROWS_AHEAD]
+    return [layer for layer in upcoming if not any(layer in done for done in started)]
 
 
 def fetch_rows(
@@ -1509,6 +1513,7 @@ __all__ = [
     "gated_lookup_grads",
     "gather_rows",
     "gathered",
+    "layers_ahead",
     "lookup_fuses",
     "outside_graph",
     "row_pieces",

@@ -52,7 +52,7 @@ from .checkpoint_stem import (
     reading_checkpoint,
 )
 from .mapped import map_safetensors
-from .modeling_stem import HOST_ROWS_AHEAD, StemLookup, check_token_ids, fetch_rows, gather_rows, lookup_fuses
+from .modeling_stem import StemLookup, check_token_ids, fetch_rows, gather_rows, layers_ahead, lookup_fuses
 from .system import available_memory, check_disk_room
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
@@ -405,11 +405,7 @@ class StemOffloadedRows:
             torch.cuda.current_stream(self.engine.device).wait_event(self.ready)
             self.ready = None
         slot = self.engine.store.slot[layer_idx]
-        rows = self.rows[:, slot]
-        if self.scales is not None:  # dequantize the unique rows only, to the tables' dtype
-            dtype = self.engine.store.table_dtype
-            rows = rows.to(dtype) * self.scales[:, slot, None].to(dtype)
-        return rows
+        return self.engine._dequantized(self.rows[:, slot], None if self.scales is None else self.scales[:, slot])
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         return self.distinct(layer_idx)[self.inverse]
@@ -439,17 +435,12 @@ class StemPipelinedRows(StemOffloadedRows):
             self._served.add(layer_idx)
         if ready is not None:
             torch.cuda.current_stream(self.engine.device).wait_event(ready)
-        if scales is not None:  # dequantize the unique rows only, to the tables' dtype
-            dtype = self.engine.store.table_dtype
-            rows = rows.to(dtype) * scales[:, None].to(dtype)
-        return rows
+        return self.engine._dequantized(rows, scales)
 
     def _fetch_ahead(self, layer_idx: int) -> None:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` STEM layers after it not yet started."""
-        layers = [layer for layer in sorted(self.engine.store.layers) if layer >= layer_idx]
-        for layer in layers[: 1 + HOST_ROWS_AHEAD]:
-            if layer not in self._ahead and layer not in self._served:
-                self._ahead[layer] = self.engine._pool().submit(self.engine._fetch_layer, layer, self.unique, self.main)
+        for layer in layers_ahead(self.engine.store.layers, layer_idx, (self._ahead, self._served)):
+            self._ahead[layer] = self.engine._pool().submit(self.engine._fetch_layer, layer, self.unique, self.main)
 
 
 class StemOffloadEngine:
@@ -719,6 +710,14 @@ class StemOffloadEngine:
         main = torch.cuda.current_stream(self.device) if self.cuda else None  # this thread's stream reads them
         self._ahead = self._pool().submit(self._gather, self._plan[0], main) if self._plan else None
 
+    def _dequantized(self, rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """One layer's distinct rows as the layers read them: int8 rows (with their `[n]` scales) dequantized to the
+        tables' dtype, the unique rows only; others as they are."""
+        if scales is None:
+            return rows
+        dtype = self.store.table_dtype
+        return rows.to(dtype) * scales[:, None].to(dtype)
+
     def _fetch_layer(
         self, layer: int, unique: torch.Tensor, main: "torch.cuda.Stream | None"
     ) -> tuple[torch.Tensor, torch.Tensor | None, "torch.cuda.Event | None"]:
@@ -732,7 +731,8 @@ class StemOffloadEngine:
         return rows, scales, ready
 
     def _gather(self, ids: torch.Tensor, main):
-        """Unique rows of `ids` fetched (what `rows` does without a cache), and where each position's row is."""
+        """Unique rows of `ids` fetched in one gather (what `rows` does for a forward without a cache that it does not
+        pipeline), and where each position's row is."""
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         rows, scales, ready = self._fetch(unique, main)
         return rows, scales, ready, inverse.view(ids.shape)
@@ -767,10 +767,9 @@ class StemOffloadEngine:
                 self.planned_forwards += 1
                 return StemOffloadedRows(self, rows, scales, inverse.to(self.device, non_blocking=True), ready)
             self._drop_plan()
+        unique, inverse = torch.unique(stem_input_ids.reshape(-1).cpu(), return_inverse=True)
+        inverse = inverse.view(stem_input_ids.shape).to(self.device, non_blocking=True)
         if self.cache is None:  # what a planned forward got from the worker, fetched here and now
-            host = stem_input_ids.cpu()
-            unique, inverse = torch.unique(host.reshape(-1), return_inverse=True)
-            inverse = inverse.view(host.shape).to(self.device, non_blocking=True)
             if self.pipeline_ids is not None and len(unique) >= self.pipeline_ids:
                 self.fetched_tokens += len(unique)
                 if isinstance(self.store, StemMappedTables):
@@ -778,8 +777,6 @@ class StemOffloadEngine:
                 return StemPipelinedRows(self, unique, inverse)
             rows, scales, ready = self._fetch(unique)
             return StemOffloadedRows(self, rows, scales, inverse, ready)
-        unique, inverse = torch.unique(stem_input_ids.reshape(-1).cpu(), return_inverse=True)
-        inverse = inverse.view(stem_input_ids.shape).to(self.device, non_blocking=True)
         slots = self.cache.lookup(unique)
         miss = slots < 0
         rows = torch.empty((len(unique), *self.store.data.shape[1:]), dtype=self.store.data.dtype, device=self.device)
