@@ -259,6 +259,10 @@ class StemTable(nn.Embedding):
 # Host tables serving an accelerator: one worker thread gathers rows into pinned memory and starts their copy on a side
 # stream, this many STEM layers ahead of the layer that reads them.
 HOST_ROWS_AHEAD = 2
+# A forward of fewer distinct ids (a decoding step) has every host table's rows fetched at once by the thread that runs
+# it: there, handing each layer's small gather to the worker costs that thread (the GIL, thread wake-ups) more than the
+# gathers do, and the forward's kernel launches are what a decoding step waits on.
+HOST_PIPELINE_MIN_IDS = 1024
 _ROW_WORKER: ThreadPoolExecutor | None = None
 _COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 _GRAD_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -623,7 +627,8 @@ class StemTableRows:
     forward, so eager activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a
     model on an accelerator is read on the host for the batch's distinct ids only, and only those rows cross: a worker
     thread gathers them into pinned memory and copies them on a side stream `HOST_ROWS_AHEAD` STEM layers ahead, so
-    the reads and copies overlap the layers before. Rows stay differentiable in the host table (`StemHostRowsGrad`).
+    the reads and copies overlap the layers before; a forward of fewer than `HOST_PIPELINE_MIN_IDS` distinct ids (a
+    decoding step) gathers every table's rows at once on its own thread, with one copy. Rows stay differentiable in the host table (`StemHostRowsGrad`).
     An offload engine returns an object with the same `__getitem__` and `lookup`, serving rows from its own store.
     Under torch.compile in training, the rows of tables with sparse gradients come from outside the graph
     (`rows_outside_graph`, before the layers; `outside_rows` holds them).
@@ -634,7 +639,7 @@ class StemTableRows:
         self.stem_input_ids = stem_input_ids
         self._unique = None
         self._unique_here = None
-        self._ahead: dict[int, Future] = {}
+        self._ahead: dict[int, Future | tuple] = {}  # layer: its fetch under way on the worker, or its fetched rows
         self._served: set[int] = set()
         self.outside_rows: dict[int, torch.Tensor] = {}
 
@@ -721,8 +726,10 @@ class StemTableRows:
 
     def host_rows(self, layer_idx: int, gathered: bool = True) -> torch.Tensor | StemLookup:
         """Layer `layer_idx`'s rows from a table on another device than the ids: each distinct id looked up once, only
-        those rows moved; fetched ahead by the worker where `pipelined`. Not `gathered`: the moved rows and each
-        position's place among them, for the layer to gather."""
+        those rows moved. Where `pipelined`, a forward of at least `HOST_PIPELINE_MIN_IDS` distinct ids has them
+        fetched ahead by the worker; a smaller one fetches every such table's rows at once, here, on the first ask
+        (`_fetch_at_once`). Not `gathered`: the moved rows and each position's place among them, for the layer to
+        gather."""
         unique, inverse = self.distinct()
         table = self.tables[str(layer_idx)]
         if not self.pipelined(table):
@@ -732,8 +739,12 @@ class StemTableRows:
         if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
             rows, ready = self._fetch(table, unique, self._main_stream())
         else:
-            self._fetch_ahead(layer_idx)
-            rows, ready = self._ahead.pop(layer_idx).result()
+            if len(unique) < HOST_PIPELINE_MIN_IDS:
+                self._fetch_at_once()
+            else:
+                self._fetch_ahead(layer_idx)
+            fetched = self._ahead.pop(layer_idx)
+            rows, ready = fetched.result() if isinstance(fetched, Future) else fetched
             self._served.add(layer_idx)
         if ready is not None:
             torch.cuda.current_stream(rows.device).wait_event(ready)
@@ -745,13 +756,34 @@ class StemTableRows:
         device = self.stem_input_ids.device
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
+    def _pipelined_layers(self) -> list[int]:
+        return [int(k) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
+
     def _fetch_ahead(self, layer_idx: int) -> None:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
-        layers = [int(k) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
         unique, _ = self.distinct()
         main = self._main_stream()  # read in this thread: the worker's current stream is another
-        for layer in layers_ahead(layers, layer_idx, (self._ahead, self._served)):
+        for layer in layers_ahead(self._pipelined_layers(), layer_idx, (self._ahead, self._served)):
             self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
+
+    def _fetch_at_once(self) -> None:
+        """Fetches the rows of every `pipelined` host table not yet fetched, here: each table gathered into its slice
+        of one pinned buffer per dtype, whose copy runs on the side stream (one copy, one event)."""
+        unique, _ = self.distinct()
+        groups: dict[tuple, list[int]] = {}
+        for layer in self._pipelined_layers():
+            if layer not in self._ahead and layer not in self._served:
+                weight = self.tables[str(layer)].weight
+                groups.setdefault((weight.dtype, weight.shape[1:]), []).append(layer)
+        for (dtype, row), layers in groups.items():
+            pinned = self.stem_input_ids.device.type == "cuda"
+            staged = torch.empty((len(layers), len(unique), *row), dtype=dtype, pin_memory=pinned)
+            for at, layer in enumerate(layers):
+                weight = self.tables[str(layer)].weight
+                settle(weight)
+                gather_rows(weight.detach(), unique, out=staged[at])
+            rows, ready = copy_staged(staged, self.stem_input_ids.device, self._main_stream())
+            self._ahead.update({layer: (rows[at], ready) for at, layer in enumerate(layers)})
 
     def _fetch(self, table: nn.Embedding, unique: torch.Tensor, main) -> tuple[torch.Tensor, object]:
         """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only)."""
@@ -774,6 +806,14 @@ def fetch_rows(
     them) computes. What a worker thread runs ahead of the layers (`StemTableRows`, the offload engine)."""
     staged = torch.empty((len(unique), *source.shape[1:]), dtype=source.dtype, pin_memory=device.type == "cuda")
     gather_rows(source, unique, out=staged)
+    return copy_staged(staged, device, main)
+
+
+def copy_staged(
+    staged: torch.Tensor, device: torch.device, main: "torch.cuda.Stream | None"
+) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Host tensor `staged` (pinned, for a CUDA `device`) on `device`, and the event that marks its copy done (CUDA
+    only): copied on a side stream, kept alive until `main`, the stream that reads it, is done with it."""
     if device.type != "cuda":
         return staged.to(device), None
     stream = _side_stream(_COPY_STREAMS, device)
@@ -1487,6 +1527,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
 
 __all__ = [
     "FUSED_LOOKUP_MIN_TOKENS",
+    "HOST_PIPELINE_MIN_IDS",
     "HOST_ROWS_AHEAD",
     "INDEX_SELECT_GRAIN",
     "StemDistinctRowsGrad",
@@ -1504,6 +1545,7 @@ __all__ = [
     "StemTables",
     "check_token_ids",
     "copies_grad_behind",
+    "copy_staged",
     "distinct_rows_grad",
     "distinct_sparse_grad",
     "fetch_rows",

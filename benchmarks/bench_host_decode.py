@@ -1,0 +1,171 @@
+"""What serving STEM tables from host memory costs a decoding step, where the step waits on the thread that launches its
+kernels (eager decoding on a GPU: each of `bench_gpu.py`'s decode steps is mostly launches). Greedy decode of
+`--new-tokens` after a `--prompt-len` Zipf prompt per batch, STEM-1/2 with its tables three ways, timed in turn round by
+round (`bench_gpu.paired_decode`):
+
+- `resident`: the tables on the device of the ids;
+- `host`: the model's own host path as it serves a decoding step (fewer than `HOST_PIPELINE_MIN_IDS` distinct ids:
+  every table's rows gathered at once, by the forward's own thread, one copy);
+- `host_pipelined`: the same path with every forward pipelined (`HOST_PIPELINE_MIN_IDS` = 1: the worker thread
+  fetches each layer's rows ahead of the layers), as every forward was served before.
+
+Per decoding step it also counts the operators the forward's own thread dispatches and the gathers each thread runs.
+On a CPU the tables are routed through the host path with the ids on the CPU too, as the tests route them (what is
+missing is the copy to an accelerator, a side-stream copy of the gathered rows); the default shape (`tiny`, 12 layers)
+is small enough that a step is launch-bound, as on a GPU. On CUDA the tables go to host memory.
+
+    python benchmarks/bench_host_decode.py          # benchmarks/results/bench_host_decode.json: about a minute here
+    python benchmarks/bench_host_decode.py --device cuda --shape 0.75b --out benchmarks/results/bench_host_decode_gpu.json
+"""
+
+import argparse
+import threading
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from bench_gpu import SHAPES, VOCAB, config_kwargs, decode_once, paired_decode, save, token_ids
+from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
+
+from stem_hf import StemConfig, StemForCausalLM, modeling_stem
+from stem_hf.cli_args import positive_int, positive_ints
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the operators dispatched by the thread that enters it (dispatch modes are per thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(args, device: torch.device) -> StemForCausalLM:
+    """A random STEM-1/2 model of `--shape` with `--layers` layers, tables resident, in `--dtype`."""
+    torch.manual_seed(0)
+    kwargs = {**config_kwargs(args.shape), "num_hidden_layers": args.layers}
+    config = StemConfig(**kwargs, stem_layers="1/2", table_dtype=args.dtype)
+    config.keep_tables_on_cpu = False
+    with torch.device(device):
+        model = StemForCausalLM(config)
+    return model.to(getattr(torch, args.dtype)).eval()
+
+
+@contextmanager
+def tables(models: dict[str, StemForCausalLM], way: str):
+    """The model whose tables are served as `way` says, for the block: `resident`, or by the host path (`host`;
+    `host_pipelined`, every forward fetched by the worker thread). On a CPU one model, routed through the host path with
+    the ids on the CPU; on an accelerator a second model of the same weights whose tables are in host memory."""
+    model = models["resident"] if way == "resident" else models["host"]
+    saved = modeling_stem.HOST_PIPELINE_MIN_IDS, modeling_stem.StemTableRows.host_served
+    if way == "host_pipelined":
+        modeling_stem.HOST_PIPELINE_MIN_IDS = 1
+    if way != "resident" and model.device.type == "cpu":
+        modeling_stem.StemTableRows.host_served = lambda self, table: True
+    try:
+        yield model
+    finally:
+        modeling_stem.HOST_PIPELINE_MIN_IDS, modeling_stem.StemTableRows.host_served = saved
+
+
+def decode_with(models: dict, way: str, prompt: torch.Tensor, **timing) -> tuple[float, torch.Tensor]:
+    with tables(models, way) as model:
+        return decode_once(model, prompt, **timing)
+
+
+@contextmanager
+def gathers_by_thread():
+    """Yields a dict that counts `gather_rows` calls of the host path by thread: the forward's own (`forward`), the
+    host-row worker's (`worker`)."""
+    counts = {"forward": 0, "worker": 0}
+    gather = modeling_stem.gather_rows
+    forward_thread = threading.current_thread()
+
+    def counted(*args, **kwargs):
+        counts["forward" if threading.current_thread() is forward_thread else "worker"] += 1
+        return gather(*args, **kwargs)
+
+    modeling_stem.gather_rows = counted
+    try:
+        yield counts
+    finally:
+        modeling_stem.gather_rows = gather
+
+
+@torch.no_grad()
+def one_step(models: dict, way: str, prompt: torch.Tensor) -> dict:
+    """One decoding step after the prompt's prefill: the operators its thread dispatched and the gathers per thread."""
+    with tables(models, way) as model:
+        out = model(prompt, use_cache=True)
+        step = out.logits[:, -1:].argmax(-1)
+        with gathers_by_thread() as gathers, Dispatched() as dispatched:
+            model(step, cache=out.cache, use_cache=True)
+    return {"ops": dispatched.count, "gathers_forward_thread": gathers["forward"], "gathers_worker": gathers["worker"]}
+
+
+WAYS = ("resident", "host", "host_pipelined")
+
+
+def run(args, device: torch.device) -> dict:
+    models = {"resident": build(args, device)}
+    models["host"] = models["resident"]
+    if device.type != "cpu":
+        models["host"] = build(args, device)
+        models["host"].config.keep_tables_on_cpu = True
+        models["host"].model.stem_tables.to("cpu")
+    timing = dict(new=args.new_tokens, device=device)
+    out = {}
+    for batch in tqdm(args.batches, desc="host decode"):
+        prompt = token_ids("zipf", (batch, args.prompt_len), VOCAB[args.shape], device, seed=batch)
+        runs = paired_decode({way: partial(decode_with, models, way, **timing) for way in WAYS}, prompt, args.repeats)
+        row = {"distinct_ids_per_step_at_most": batch}
+        for way in WAYS:
+            step_s, tokens, repeatable = runs[way]
+            row[way] = {"step_ms": round(step_s * 1e3, 3), **one_step(models, way, prompt)}
+            row[way]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][1]))
+        resident, host, pipelined = (runs[way][0] for way in WAYS)
+        row["host_vs_resident"] = round(resident / host, 3)
+        row["host_pipelined_vs_resident"] = round(resident / pipelined, 3)
+        row["host_over_host_pipelined"] = round(pipelined / host, 3)
+        out[f"batch_{batch}"] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--layers", type=positive_int, default=12, help="the 0.75B shape's count")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--batches", type=positive_ints, default=[1, 16, 64], help="comma-separated")
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch's intra-op threads")
+    parser.add_argument("--out", default="benchmarks/results/bench_host_decode.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    report = {
+        "torch": torch.__version__,
+        "device": str(device),
+        "shape": args.shape,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "host_pipeline_min_ids": modeling_stem.HOST_PIPELINE_MIN_IDS,
+        **run(args, device),
+    }
+    save(report, args.out)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
