@@ -15,7 +15,8 @@ missing is the copy to an accelerator, a side-stream copy of the gathered rows);
 is small enough that a step is launch-bound, as on a GPU. On CUDA the tables go to host memory.
 
     python benchmarks/bench_host_decode.py          # benchmarks/results/bench_host_decode.json: about a minute here
-    python benchmarks/bench_host_decode.py --device cuda --shape 0.75b --out benchmarks/results/bench_host_decode_gpu.json
+    python benchmarks/bench_host_decode.py --device cuda --shape 0.75b --dtype bfloat16 \
+        --out benchmarks/results/bench_host_decode_gpu.json
 """
 
 import argparse

@@ -628,7 +628,8 @@ class StemTableRows:
     model on an accelerator is read on the host for the batch's distinct ids only, and only those rows cross: a worker
     thread gathers them into pinned memory and copies them on a side stream `HOST_ROWS_AHEAD` STEM layers ahead, so
     the reads and copies overlap the layers before; a forward of fewer than `HOST_PIPELINE_MIN_IDS` distinct ids (a
-    decoding step) gathers every table's rows at once on its own thread, with one copy. Rows stay differentiable in the host table (`StemHostRowsGrad`).
+    decoding step) gathers every table's rows at once on its own thread, with one copy. Rows stay differentiable in
+    the host table (`StemHostRowsGrad`).
     An offload engine returns an object with the same `__getitem__` and `lookup`, serving rows from its own store.
     Under torch.compile in training, the rows of tables with sparse gradients come from outside the graph
     (`rows_outside_graph`, before the layers; `outside_rows` holds them).

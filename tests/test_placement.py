@@ -8,12 +8,13 @@ import os
 import pickle
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 from transformers.integrations.accelerate import expand_device_map
 
-from stem_hf import StemForCausalLM, checkpoint_stem
+from stem_hf import StemForCausalLM, checkpoint_stem, modeling_stem
 from stem_hf.checkpoint_stem import device_map_keeping_tables_on_cpu
 from stem_hf.compat_stem import CACHE_ARG
 from stem_hf.modeling_stem import StemTable, StemTableRows, copies_grad_behind
@@ -90,9 +91,13 @@ def test_rows_of_a_table_on_another_device_take_the_deduplicating_path(monkeypat
     assert seen == ["meta"]  # ids elsewhere than the table: deduplicate; same device: plain lookup
 
 
-def _host_served(monkeypatch) -> list[tuple[int, str]]:
-    """Serves every table through the host path a model on an accelerator takes (worker thread, rows fetched ahead),
-    here with the ids on the CPU too. Returns the (layer, thread) of each fetch as it happens."""
+def _host_served(monkeypatch, pipelined: bool = True) -> list[tuple[int, str]]:
+    """Serves every table through the host path a model on an accelerator takes, here with the ids on the CPU too:
+    `pipelined`, every forward's rows fetched ahead by the worker thread (as forwards of `HOST_PIPELINE_MIN_IDS`
+    distinct ids or more are); else as the default serves these small forwards, every table's at once on the
+    forward's thread. Returns the (layer, thread) of each worker fetch as it happens."""
+    if pipelined:
+        monkeypatch.setattr(modeling_stem, "HOST_PIPELINE_MIN_IDS", 1)
     fetches = []
     fetch = StemTableRows._fetch
 
@@ -158,9 +163,11 @@ def test_host_rows_equal_the_lookup_with_the_gradient_of_a_hand_computation(monk
     torch.testing.assert_close(table.weight.grad.to_dense(), expected, rtol=0, atol=0)
 
 
-def test_a_model_served_from_host_tables_equals_resident_tables(monkeypatch):
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_model_served_from_host_tables_equals_resident_tables(monkeypatch, pipelined):
     """Logits, greedy tokens, gradients (with activation checkpointing) and the update of a training run are those of
-    the same model reading its tables on the device."""
+    the same model reading its tables on the device: every forward fetched by the worker thread (`pipelined`), or as
+    forwards this small are by default, every table's rows at once on the forward's thread."""
     torch.manual_seed(0)
     resident = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -172,21 +179,82 @@ def test_a_model_served_from_host_tables_equals_resident_tables(monkeypatch):
     resident(input_ids=ids, labels=ids).loss.backward()
     expected_grads = {n: p.grad.clone() for n, p in resident.named_parameters()}
 
-    fetches = _host_served(monkeypatch)
+    fetches = _host_served(monkeypatch, pipelined)
     host = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     with torch.no_grad():
         assert torch.equal(host(ids).logits, expected_logits)
-    assert [layer for layer, _ in fetches] == [1, 2, 3] and {t for _, t in fetches} == {"stem-host-rows"}
+    if pipelined:
+        assert [layer for layer, _ in fetches] == [1, 2, 3] and {t for _, t in fetches} == {"stem-host-rows"}
+    else:
+        assert fetches == []  # none handed to the worker
     assert torch.equal(host.generate(ids, max_new_tokens=6, do_sample=False), expected_tokens)
     host.train()
     host.gradient_checkpointing_enable()
     fetches.clear()
     host(input_ids=ids, labels=ids).loss.backward()
-    # Forward: each layer once, on the worker; checkpointing's recompute fetches again, in the backward's thread.
-    assert sorted(fetches[:3]) == [(1, "stem-host-rows"), (2, "stem-host-rows"), (3, "stem-host-rows")]
-    assert sorted(layer for layer, _ in fetches[3:]) == [1, 2, 3]
+    # Forward: each layer once (on the worker, where pipelined); checkpointing's recompute fetches again, in the
+    # backward's thread.
+    recomputed = fetches[3:] if pipelined else fetches
+    if pipelined:
+        assert sorted(fetches[:3]) == [(1, "stem-host-rows"), (2, "stem-host-rows"), (3, "stem-host-rows")]
+    assert sorted(layer for layer, _ in recomputed) == [1, 2, 3]
+    assert "stem-host-rows" not in {thread for _, thread in recomputed}
     for name, param in host.named_parameters():
         torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_small_forward_fetches_every_host_tables_rows_at_once_on_its_own_thread(monkeypatch, sparse):
+    """Fewer distinct ids than `HOST_PIPELINE_MIN_IDS` (a decoding step): at the first ask, the forward's own thread
+    gathers every host table's rows, into one buffer per table dtype, each with one copy; nothing goes to the worker.
+    Rows and gradients are a hand computation's; a layer asked again (checkpointing's recompute) is fetched again. At
+    `HOST_PIPELINE_MIN_IDS` distinct ids the worker fetches ahead instead."""
+    fetches = _host_served(monkeypatch, pipelined=False)
+    monkeypatch.setattr(modeling_stem, "HOST_PIPELINE_MIN_IDS", 4)
+    gathers, gather = [], modeling_stem.gather_rows
+    monkeypatch.setattr(
+        modeling_stem, "gather_rows", lambda *a, **k: gathers.append(threading.current_thread().name) or gather(*a, **k)
+    )
+    copies, copy_staged = [], modeling_stem.copy_staged
+    monkeypatch.setattr(
+        modeling_stem, "copy_staged", lambda staged, *a: copies.append(staged.shape) or copy_staged(staged, *a)
+    )
+    model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
+    tables = model.model.stem_tables
+    tables["2"].to(torch.bfloat16)  # a frozen table kept in bf16 beside trained float32 ones: two buffers
+    tables["2"].weight.requires_grad_(False)
+    for table in tables.values():
+        table.sparse = sparse
+    ids = torch.tensor([[5, 9, 5, 2], [9, 9, 2, 5]])  # 3 distinct
+    rows = StemTableRows(tables, ids)
+    got = rows[1]
+    width = model.config.intermediate_size
+    assert fetches == [] and gathers == ["MainThread"] * 3
+    assert copies == [(2, 3, width), (1, 3, width)]  # layers 1 and 3 (float32) in one buffer, layer 2 (bf16) in one
+    assert sorted(rows._ahead) == [2, 3] and not any(isinstance(f, Future) for f in rows._ahead.values())
+    for layer in (2, 3):
+        assert torch.equal(rows[layer], tables[str(layer)].weight[ids])
+    assert len(gathers) == 3 and torch.equal(got, tables["1"].weight[ids])
+    again = rows[1]  # asked again: fetched again, alone
+    assert gathers == ["MainThread"] * 4 and copies[2:] == [(3, width)] and torch.equal(again, got)
+    assert fetches == [(1, "MainThread")]
+
+    (got.pow(2).sum() + again.sum()).backward()
+    squares, ones = torch.zeros_like(tables["1"].weight), torch.zeros_like(tables["1"].weight)
+    for i in ids.flatten():
+        squares[i] += 2 * tables["1"].weight[i].detach()
+        ones[i] += 1
+    expected = squares + ones  # each fetch's gradient, added by autograd
+    assert tables["1"].weight.grad.is_sparse is sparse and tables["2"].weight.grad is None
+    torch.testing.assert_close(tables["1"].weight.grad.to_dense(), expected, rtol=0, atol=0)
+
+    gathers.clear()
+    fetches.clear()
+    rows = StemTableRows(tables, torch.tensor([[5, 9, 5, 2, 40]]))  # 4 distinct: the worker fetches ahead
+    rows[1]
+    for ahead in rows._ahead.values():
+        ahead.result()
+    assert [layer for layer, _ in fetches] == [1, 2, 3] and set(gathers) == {"stem-host-rows_0"}
 
 
 def test_device_map_load_keeps_tables_mapped_and_logits_equal(tmp_path):
@@ -269,8 +337,9 @@ def test_auto_map_with_disk_offload_keeps_tables_mapped_and_outputs_equal(tmp_pa
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
 @pytest.mark.parametrize("sparse_table_grads", [None, False])  # StemTrainer's default (row-only), and dense
-def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monkeypatch, sparse_table_grads):
+def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monkeypatch, sparse_table_grads, pipelined):
     from datasets import Dataset
     from transformers import TrainingArguments
 
@@ -286,7 +355,7 @@ def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monke
     models = []
     for host in (False, True):
         if host:
-            _host_served(monkeypatch)
+            _host_served(monkeypatch, pipelined)
         torch.manual_seed(0)
         model = sensitive_model(stem_layers=[1, 2, 3])
         trainer = StemTrainer(model=model, args=args, train_dataset=data, sparse_table_grads=sparse_table_grads)
@@ -383,10 +452,12 @@ def _adamw_steps(model, ids, write_behind: bool, steps: int = 3):
     return optimizer
 
 
-def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monkeypatch):
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monkeypatch, pipelined):
     """`step` returns while the host tables are still being written (the writer is held here); the next forward's
-    row fetch, a state dict and the optimizer wait for the writes, so everything equals a run that wrote before
-    `step` returned. A copy of the model taken meanwhile carries no pending write."""
+    row fetch (on the worker where `pipelined`, else every table's at once on the forward's thread), a state dict and
+    the optimizer wait for the writes, so everything equals a run that wrote before `step` returned. A copy of the
+    model taken meanwhile carries no pending write."""
     from stem_hf.training import RowSparseAdamW
 
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -396,7 +467,7 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
     with torch.no_grad():
         expected = reference(ids).logits
 
-    fetches = _host_served(monkeypatch)
+    fetches = _host_served(monkeypatch, pipelined)
     writers, holding, release, free = [], threading.Event(), threading.Event(), [6]
     update = RowSparseAdamW._row_update
 
@@ -421,8 +492,8 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
     torch.testing.assert_close(copied.weight, reference.model.stem_tables["1"].weight, rtol=0, atol=0)
     fetches.clear()
     with torch.no_grad():
-        got = model(ids).logits  # the worker's fetch waits for each table's write
-    assert {t for _, t in fetches} == {"stem-host-rows"}
+        got = model(ids).logits  # the fetch waits for each table's write
+    assert {t for _, t in fetches} == ({"stem-host-rows"} if pipelined else set())
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert len(writers) == 9
     for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
@@ -444,10 +515,11 @@ def test_a_forward_after_a_write_behind_step_waits_for_the_tables_it_reads(monke
     torch.testing.assert_close(table.weight, saved["model.stem_tables.1.weight"], rtol=0, atol=0)
 
 
-def test_an_error_in_a_write_behind_reaches_the_next_forward(monkeypatch):
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_an_error_in_a_write_behind_reaches_the_next_forward(monkeypatch, pipelined):
     from stem_hf.training import RowSparseAdamW
 
-    _host_served(monkeypatch)
+    _host_served(monkeypatch, pipelined)
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     ids = torch.tensor([[5, 6, 7, 8]])
     optimizer = _adamw_steps(model, ids, write_behind=True, steps=1)
