@@ -111,7 +111,8 @@ def one_step(models: dict, way: str, prompt: torch.Tensor) -> dict:
 WAYS = ("resident", "host", "host_pipelined")
 
 
-def run(args, device: torch.device) -> dict:
+def run(args, device: torch.device, report: dict) -> None:
+    """Fills `report` batch by batch, saving it after each (`complete` once every batch is in)."""
     models = {"resident": build(args, device)}
     models["host"] = models["resident"]
     if device.type != "cpu":
@@ -119,7 +120,6 @@ def run(args, device: torch.device) -> dict:
         models["host"].config.keep_tables_on_cpu = True
         models["host"].model.stem_tables.to("cpu")
     timing = dict(new=args.new_tokens, device=device)
-    out = {}
     for batch in tqdm(args.batches, desc="host decode"):
         prompt = token_ids("zipf", (batch, args.prompt_len), VOCAB[args.shape], device, seed=batch)
         runs = paired_decode({way: partial(decode_with, models, way, **timing) for way in WAYS}, prompt, args.repeats)
@@ -132,8 +132,10 @@ def run(args, device: torch.device) -> dict:
         row["host_vs_resident"] = round(resident / host, 3)
         row["host_pipelined_vs_resident"] = round(resident / pipelined, 3)
         row["host_over_host_pipelined"] = round(pipelined / host, 3)
-        out[f"batch_{batch}"] = row
-    return out
+        report[f"batch_{batch}"] = row
+        save({**report, "complete": False}, args.out)  # what a run stopped midway measured stays
+    report["complete"] = True
+    save(report, args.out)
 
 
 def main() -> None:
@@ -146,25 +148,25 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--repeats", type=positive_int, default=7)
-    parser.add_argument("--threads", type=positive_int, default=1, help="torch's intra-op threads")
+    parser.add_argument("--threads", type=positive_int, help="torch's intra-op threads (default: torch's)")
     parser.add_argument("--out", default="benchmarks/results/bench_host_decode.json")
     args = parser.parse_args()
     device = torch.device(args.device)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = {
         "torch": torch.__version__,
         "device": str(device),
         "shape": args.shape,
         "layers": args.layers,
         "dtype": args.dtype,
-        "threads": args.threads,
+        "threads": torch.get_num_threads(),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "host_pipeline_min_ids": modeling_stem.HOST_PIPELINE_MIN_IDS,
-        **run(args, device),
     }
-    save(report, args.out)
+    run(args, device, report)
     print(report)
 
 

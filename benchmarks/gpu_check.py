@@ -21,9 +21,12 @@ With one:
 4. `benchmarks/bench_gpu.py` in a subprocess, with what is left of the budget: STEM against a dense Llama at a 0.75B
    shape (prefill, train step with its optimizer, decode; resident, host and engine tables), each ratio beside its
    FLOP prediction (`docs/gpu.md`).
-5. `benchmarks/profile_gpu.py` in a subprocess, if time is left: prefill and a train step of dense and STEM profiled
+5. `benchmarks/bench_host_decode.py` in a subprocess, if time is left: greedy decoding steps of the 0.75B shape with
+   resident tables, host tables served as decoding steps are (every table's rows at once, by the forward's thread)
+   and host tables with every forward pipelined (the worker thread fetching each layer's rows ahead).
+6. `benchmarks/profile_gpu.py` in a subprocess, if time is left: prefill and a train step of dense and STEM profiled
    beside each other (what STEM saves in matrix products, `bounds`), and the host-table and engine prefills.
-6. `benchmarks/bench_host_gather.py` in a subprocess, if time is left: the host side of the engine's gather at the
+7. `benchmarks/bench_host_gather.py` in a subprocess, if time is left: the host side of the engine's gather at the
    0.75B shape, `index_select` against `gather_rows` and the per-layer gathers, on one thread and on every core of the
    GPU's host.
 
@@ -481,6 +484,7 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
     # The lookup's kernels first (about a minute, its compiles included), so bench_gpu keeps the rest of the budget.
     part("lookup_kernel", 150, lambda: lookup_kernel(min(deadline, time.monotonic() + 90), quick, bench))
     part("bench_gpu", 90, lambda: bench_gpu(deadline, quick, bench))
+    part("host_decode", 60, lambda: run_script("bench_host_decode", HOST_DECODE, deadline, bench))
     part("profile", 60, lambda: profile(deadline, bench))
     part("host_gather", 40, lambda: run_script("bench_host_gather", ["--repeats", "3"], deadline, bench))
     host = decode.get("host_tables", {})
@@ -501,6 +505,9 @@ def bench_gpu(deadline: float, quick: bool, bench: dict) -> None:
     quick_args = ["--repeats", "2", "--seq-len", "512", "--new-tokens", "16", "--decode-batches", "1,16"]
     run_script("bench_gpu", quick_args if quick else [], deadline, bench)
 
+
+# The host_decode part: decoding steps of the 0.75B shape with host tables, at once against pipelined.
+HOST_DECODE = ["--device", "cuda", "--shape", "0.75b", "--dtype", "bfloat16", "--repeats", "3"]
 
 # What the profile part profiles: prefill and a train step of dense and STEM beside each other (its `bounds`), and the
 # host-table and engine prefills whose slowness the benchmarks show.

@@ -18,7 +18,7 @@ from stem_hf import StemForCausalLM, checkpoint_stem, modeling_stem
 from stem_hf.checkpoint_stem import device_map_keeping_tables_on_cpu
 from stem_hf.compat_stem import CACHE_ARG
 from stem_hf.modeling_stem import StemTable, StemTableRows, copies_grad_behind
-from tests.conftest import mapped_file, sensitive_model, tiny_model
+from tests.conftest import benchmark_script, mapped_file, sensitive_model, tiny_model
 
 TABLE, DENSE = "model.stem_tables.1.weight", "model.layers.1.mlp.gate_proj.weight"
 
@@ -711,3 +711,28 @@ def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_o
     assert _in_forked_child(child)  # the fork waits for the held writes first
     assert release.is_set()
     assert training._ROW_WORKERS is not None  # the writes shared their rows out: the parent forked with row workers
+
+
+def test_the_host_decode_benchmark_counts_each_ways_gathers_by_thread(monkeypatch, tmp_path):
+    """`benchmarks/bench_host_decode.py` at a few tokens: the three ways generate resident's tokens, a decoding step's
+    gathers run on the forward's thread by default and on the worker when pipelined (one per STEM layer), and the
+    host path is routed only inside its own runs."""
+    import argparse
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    bench = benchmark_script("bench_host_decode")
+    args = argparse.Namespace(shape="tiny", layers=4, dtype="float32", batches=[1, 3], prompt_len=8, new_tokens=3,
+                              repeats=1, out=str(tmp_path / "decode.json"))  # fmt: skip
+    report, unrouted = {}, StemTableRows.host_served
+    bench.run(args, torch.device("cpu"), report)
+    assert report["complete"] and json.loads((tmp_path / "decode.json").read_text()) == report
+    for batch in (1, 3):
+        row = report[f"batch_{batch}"]
+        stem_layers = 2  # 1/2 of 4
+        assert row["resident"]["gathers_forward_thread"] == row["resident"]["gathers_worker"] == 0
+        assert (row["host"]["gathers_forward_thread"], row["host"]["gathers_worker"]) == (stem_layers, 0)
+        pipelined = row["host_pipelined"]
+        assert (pipelined["gathers_forward_thread"], pipelined["gathers_worker"]) == (0, stem_layers)
+        assert all(row[way]["same_tokens_as_resident"] and row[way]["step_ms"] > 0 for way in bench.WAYS)
+        assert row["host_vs_resident"] == pytest.approx(row["resident"]["step_ms"] / row["host"]["step_ms"], rel=1e-2)
+    assert StemTableRows.host_served is unrouted and modeling_stem.HOST_PIPELINE_MIN_IDS == 1024  # as before the runs
