@@ -12,9 +12,10 @@ round (`bench_gpu.paired_decode`):
 Per decoding step it also counts the operators the forward's own thread dispatches and the gathers each thread runs.
 On a CPU the tables are routed through the host path with the ids on the CPU too, as the tests route them (what is
 missing is the copy to an accelerator, a side-stream copy of the gathered rows); the default shape (`tiny`, 12 layers)
-is small enough that a step is launch-bound, as on a GPU. On CUDA the tables go to host memory.
+is small enough that a step is launch-bound, as on a GPU; one intra-op thread leaves this 2-core machine's second core
+to the worker thread, as a GPU host's many cores do. On CUDA the tables go to host memory.
 
-    python benchmarks/bench_host_decode.py          # benchmarks/results/bench_host_decode.json: about a minute here
+    python benchmarks/bench_host_decode.py --threads 1   # benchmarks/results/bench_host_decode.json: a minute here
     python benchmarks/bench_host_decode.py --device cuda --shape 0.75b --dtype bfloat16 \
         --out benchmarks/results/bench_host_decode_gpu.json
 """

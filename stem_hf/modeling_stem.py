@@ -758,7 +758,9 @@ class StemTableRows:
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def _pipelined_layers(self) -> list[int]:
-        return [int(k) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
+        """The host-table layers whose rows come ahead of their ask (a freed table raises when its layer asks)."""
+        served = [(int(k), t) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
+        return [layer for layer, table in served if table.weight.shape[0] != 0]
 
     def _fetch_ahead(self, layer_idx: int) -> None:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
