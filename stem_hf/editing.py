@@ -185,10 +185,17 @@ def check_edits(model: nn.Module, edits: Sequence[StemEdit]) -> None:
 
 
 class _EditedRows:
-    """The rows a STEM layer sees under an edit: those of the edited ids, with `mean` positions overridden."""
+    """The rows a STEM layer sees under an edit: those of the edited ids, with `mean` positions overridden. Without
+    `mean` overrides, `lookup` hands on what the wrapped source's does, so the layer may gather the edited ids' rows
+    inside its own kernel as it does unedited ones."""
 
     def __init__(self, base, tables: nn.ModuleDict, overrides: list[tuple[torch.Tensor, torch.Tensor, tuple]]):
         self.base, self.tables, self.overrides = base, tables, overrides
+
+    def lookup(self, layer_idx: int):
+        if self.overrides or not callable(getattr(type(self.base), "lookup", None)):
+            return self[layer_idx]
+        return self.base.lookup(layer_idx)
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         rows = self.base[layer_idx]

@@ -168,6 +168,46 @@ def test_the_edit_evaluation_reports_each_strategy_and_restores_the_tables():
         assert torch.equal(t.weight, before[k])  # persisted edits were undone
 
 
+@pytest.mark.parametrize("engine", [False, True])
+def test_id_edits_are_gathered_inside_the_layers_kernel_where_the_config_fuses_lookups(engine):
+    """With `fused_table_lookup`, an editor of id edits hands each STEM layer what its source's `lookup` gives (the
+    table and the edited ids, or an engine's distinct rows), so the layer gathers the edited rows inside its own
+    kernel; a `mean` edit's overridden rows are handed over gathered. Logits and greedy tokens equal the unfused
+    editor's."""
+    from stem_hf import modeling_stem
+    from stem_hf.offload import offloaded
+
+    model = sensitive_model(table_dtype="float32")
+    clone, mean = StemEdit((5, 6), (30, 31), "clone"), StemEdit((5, 6), (30, 31), "mean")
+    settings = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    fused, original = [], modeling_stem.fused_gated_lookup
+    source = offloaded(model) if engine else contextlib.nullcontext()
+    with pytest.MonkeyPatch.context() as patch, source, torch.no_grad():
+        patch.setattr(
+            modeling_stem, "fused_gated_lookup", lambda gate, rows: fused.append(rows) or original(gate, rows)
+        )
+        expected = {}
+        for edit in (clone, mean):
+            with StemEditor(model, [edit]):
+                expected[edit.strategy] = model(IDS).logits, model.generate(IDS, **settings)
+        assert fused == []  # on the CPU by default: rows
+        model.config.fused_table_lookup = True
+        for edit in (clone, mean):
+            fused.clear()
+            with StemEditor(model, [edit]):
+                logits, tokens = model(IDS).logits, model.generate(IDS, **settings)
+            torch.testing.assert_close(logits, expected[edit.strategy][0], rtol=0, atol=1e-5 * logits.abs().max())
+            assert torch.equal(tokens, expected[edit.strategy][1])
+            stem_layers = len(model.config.stem_layers)
+            if edit is clone:  # every forward's every STEM layer: the prompt twice, then each decoding step
+                assert len(fused) == stem_layers * (2 + 2) and all(
+                    isinstance(f, modeling_stem.StemLookup) for f in fused
+                )
+                assert fused[0].index.shape == IDS.shape
+            else:  # the prompt's overridden rows come gathered; decoding steps hold no source, so they fuse
+                assert len(fused) == stem_layers * 2
+
+
 def test_an_editor_over_an_offload_engine_edits_the_rows_the_engine_serves():
     from stem_hf.offload import StemOffloadEngine
 
