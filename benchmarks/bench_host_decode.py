@@ -4,9 +4,9 @@ kernels (eager decoding on a GPU: each of `bench_gpu.py`'s decode steps is mostl
 round (`bench_gpu.paired_decode`):
 
 - `resident`: the tables on the device of the ids;
-- `host`: the model's own host path as it serves a decoding step (fewer than `HOST_PIPELINE_MIN_IDS` distinct ids:
-  every table's rows gathered at once, by the forward's own thread, one copy);
-- `host_pipelined`: the same path with every forward pipelined (`HOST_PIPELINE_MIN_IDS` = 1: the worker thread
+- `host`: the model's own host path as it serves a decoding step (at most `HOST_AT_ONCE_MAX_IDS` distinct ids, in
+  inference: every table's rows gathered at once, by the forward's own thread, one copy);
+- `host_pipelined`: the same path with every forward pipelined (`HOST_AT_ONCE_MAX_IDS` = 0: the worker thread
   fetches each layer's rows ahead of the layers), as every forward was served before.
 
 Per decoding step it also counts the operators the forward's own thread dispatches and the gathers each thread runs.
@@ -63,15 +63,15 @@ def tables(models: dict[str, StemForCausalLM], way: str):
     `host_pipelined`, every forward fetched by the worker thread). On a CPU one model, routed through the host path with
     the ids on the CPU; on an accelerator a second model of the same weights whose tables are in host memory."""
     model = models["resident"] if way == "resident" else models["host"]
-    saved = modeling_stem.HOST_PIPELINE_MIN_IDS, modeling_stem.StemTableRows.host_served
+    saved = modeling_stem.HOST_AT_ONCE_MAX_IDS, modeling_stem.StemTableRows.host_served
     if way == "host_pipelined":
-        modeling_stem.HOST_PIPELINE_MIN_IDS = 1
+        modeling_stem.HOST_AT_ONCE_MAX_IDS = 0
     if way != "resident" and model.device.type == "cpu":
         modeling_stem.StemTableRows.host_served = lambda self, table: True
     try:
         yield model
     finally:
-        modeling_stem.HOST_PIPELINE_MIN_IDS, modeling_stem.StemTableRows.host_served = saved
+        modeling_stem.HOST_AT_ONCE_MAX_IDS, modeling_stem.StemTableRows.host_served = saved
 
 
 def decode_with(models: dict, way: str, prompt: torch.Tensor, **timing) -> tuple[float, torch.Tensor]:
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--layers", type=positive_int, default=12, help="the 0.75B shape's count")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--batches", type=positive_ints, default=[1, 16, 64], help="comma-separated")
+    parser.add_argument("--batches", type=positive_ints, default=[1, 16, 64, 128], help="comma-separated")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--repeats", type=positive_int, default=7)
@@ -165,7 +165,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
-        "host_pipeline_min_ids": modeling_stem.HOST_PIPELINE_MIN_IDS,
+        "host_at_once_max_ids": modeling_stem.HOST_AT_ONCE_MAX_IDS,
     }
     run(args, device, report)
     print(report)

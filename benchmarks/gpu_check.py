@@ -484,9 +484,9 @@ def run_benchmarks(result: dict, deadline: float, quick: bool) -> bool:
     # The lookup's kernels first (about a minute, its compiles included), so bench_gpu keeps the rest of the budget.
     part("lookup_kernel", 150, lambda: lookup_kernel(min(deadline, time.monotonic() + 90), quick, bench))
     part("bench_gpu", 90, lambda: bench_gpu(deadline, quick, bench))
-    part("host_decode", 60, lambda: run_script("bench_host_decode", HOST_DECODE, deadline, bench))
+    part("host_decode", 60, lambda: run_script("bench_host_decode", HOST_DECODE, deadline, bench, suffix="_gpu"))
     part("profile", 60, lambda: profile(deadline, bench))
-    part("host_gather", 40, lambda: run_script("bench_host_gather", ["--repeats", "3"], deadline, bench))
+    part("host_gather", 40, lambda: run_script("bench_host_gather", ["--repeats", "3"], deadline, bench, suffix="_gpu"))
     host = decode.get("host_tables", {})
     for name in ("offload_no_cache", "offload_cache_4096", "offload_int8_cache_4096", "resident"):
         if name in decode and host:
@@ -528,12 +528,19 @@ def lookup_kernel(deadline: float, quick: bool, bench: dict) -> None:
 
 
 def run_script(
-    name: str, args: list[str], deadline: float, bench: dict, key: str | None = None, results: str | None = None
+    name: str,
+    args: list[str],
+    deadline: float,
+    bench: dict,
+    key: str | None = None,
+    results: str | None = None,
+    suffix: str = "",
 ) -> None:
-    """`benchmarks/{name}.py` in a subprocess until 20 s before `deadline`, its JSON (`--out {results}/{name}.json`,
-    by default in `benchmarks/results`) into `bench[key or name]`, partial if the time ran out. A run that fails keeps
+    """`benchmarks/{name}.py` in a subprocess until 20 s before `deadline`, its JSON (`--out
+    {results}/{name}{suffix}.json`, by default in `benchmarks/results`; `suffix="_gpu"` for a script whose default JSON
+    holds this project's CPU figures) into `bench[key or name]`, partial if the time ran out. A run that fails keeps
     what it saved, with the error, and raises."""
-    out = os.path.join(results or os.path.join(REPO, "benchmarks/results"), f"{name}.json")
+    out = os.path.join(results or os.path.join(REPO, "benchmarks/results"), f"{name}{suffix}.json")
     command = [sys.executable, os.path.join(REPO, f"benchmarks/{name}.py"), "--out", out, *args]
     timeout = deadline - time.monotonic() - 20
     with contextlib.suppress(FileNotFoundError):

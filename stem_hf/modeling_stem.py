@@ -259,10 +259,12 @@ class StemTable(nn.Embedding):
 # Host tables serving an accelerator: one worker thread gathers rows into pinned memory and starts their copy on a side
 # stream, this many STEM layers ahead of the layer that reads them.
 HOST_ROWS_AHEAD = 2
-# A forward of fewer distinct ids (a decoding step) has every host table's rows fetched at once by the thread that runs
-# it: there, handing each layer's small gather to the worker costs that thread (the GIL, thread wake-ups) more than the
-# gathers do, and the forward's kernel launches are what a decoding step waits on.
-HOST_PIPELINE_MIN_IDS = 1024
+# An inference forward of at most this many distinct ids (a decoding step) has every host table's rows fetched at once
+# by the thread that runs it: there, handing each layer's few rows to the worker costs that thread (wake-ups, the GIL)
+# more than the gathers do, and a decoding step waits on that thread's launches. Larger forwards, and training forwards
+# (which also wait for each table's write behind layer by layer), are pipelined.
+HOST_AT_ONCE_MAX_IDS = 128
+_Fetched = tuple[torch.Tensor, "torch.cuda.Event | None"]  # a layer's rows on the ids' device, and their copy's event
 _ROW_WORKER: ThreadPoolExecutor | None = None
 _COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 _GRAD_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -627,9 +629,9 @@ class StemTableRows:
     forward, so eager activation checkpointing recomputes rows instead of keeping them. A table in host memory serving a
     model on an accelerator is read on the host for the batch's distinct ids only, and only those rows cross: a worker
     thread gathers them into pinned memory and copies them on a side stream `HOST_ROWS_AHEAD` STEM layers ahead, so
-    the reads and copies overlap the layers before; a forward of fewer than `HOST_PIPELINE_MIN_IDS` distinct ids (a
-    decoding step) gathers every table's rows at once on its own thread, with one copy. Rows stay differentiable in
-    the host table (`StemHostRowsGrad`).
+    the reads and copies overlap the layers before; an inference forward of at most `HOST_AT_ONCE_MAX_IDS` distinct
+    ids (a decoding step) gathers every table's rows at once on its own thread, with one copy. Rows stay
+    differentiable in the host table (`StemHostRowsGrad`).
     An offload engine returns an object with the same `__getitem__` and `lookup`, serving rows from its own store.
     Under torch.compile in training, the rows of tables with sparse gradients come from outside the graph
     (`rows_outside_graph`, before the layers; `outside_rows` holds them).
@@ -640,8 +642,9 @@ class StemTableRows:
         self.stem_input_ids = stem_input_ids
         self._unique = None
         self._unique_here = None
-        self._ahead: dict[int, Future | tuple] = {}  # layer: its fetch under way on the worker, or its fetched rows
+        self._ahead: dict[int, Future[_Fetched] | _Fetched] = {}  # under way on the worker, or fetched at once
         self._served: set[int] = set()
+        self._layers: list[int] | None = None
         self.outside_rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
@@ -727,10 +730,9 @@ class StemTableRows:
 
     def host_rows(self, layer_idx: int, gathered: bool = True) -> torch.Tensor | StemLookup:
         """Layer `layer_idx`'s rows from a table on another device than the ids: each distinct id looked up once, only
-        those rows moved. Where `pipelined`, a forward of at least `HOST_PIPELINE_MIN_IDS` distinct ids has them
-        fetched ahead by the worker; a smaller one fetches every such table's rows at once, here, on the first ask
-        (`_fetch_at_once`). Not `gathered`: the moved rows and each position's place among them, for the layer to
-        gather."""
+        those rows moved. Where `pipelined`, the worker fetches them ahead, or every such table's rows are fetched at
+        once here, on the first ask (`at_once`). Not `gathered`: the moved rows and each position's place among them,
+        for the layer to gather."""
         unique, inverse = self.distinct()
         table = self.tables[str(layer_idx)]
         if not self.pipelined(table):
@@ -740,10 +742,10 @@ class StemTableRows:
         if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
             rows, ready = self._fetch(table, unique, self._main_stream())
         else:
-            if len(unique) < HOST_PIPELINE_MIN_IDS:
-                self._fetch_at_once()
-            else:
+            if not self.at_once():
                 self._fetch_ahead(layer_idx)
+            elif layer_idx not in self._ahead:
+                self._fetch_at_once()
             fetched = self._ahead.pop(layer_idx)
             rows, ready = fetched.result() if isinstance(fetched, Future) else fetched
             self._served.add(layer_idx)
@@ -757,10 +759,17 @@ class StemTableRows:
         device = self.stem_input_ids.device
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
+    def at_once(self) -> bool:
+        """Whether the `pipelined` tables' rows are fetched at once, on the forward's thread, rather than layer by layer
+        ahead by the worker: in inference, for at most `HOST_AT_ONCE_MAX_IDS` distinct ids."""
+        return not torch.is_grad_enabled() and len(self.distinct()[0]) <= HOST_AT_ONCE_MAX_IDS
+
     def _pipelined_layers(self) -> list[int]:
-        """The host-table layers whose rows come ahead of their ask (a freed table raises when its layer asks)."""
-        served = [(int(k), t) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
-        return [layer for layer, table in served if table.weight.shape[0] != 0]
+        """The host-table layers whose rows come before their ask (a freed table raises when its layer asks)."""
+        if self._layers is None:
+            served = [(int(k), t) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
+            self._layers = [layer for layer, table in served if table.weight.shape[0] != 0]
+        return self._layers
 
     def _fetch_ahead(self, layer_idx: int) -> None:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
@@ -773,13 +782,13 @@ class StemTableRows:
         """Fetches the rows of every `pipelined` host table not yet fetched, here: each table gathered into its slice
         of one pinned buffer per dtype, whose copy runs on the side stream (one copy, one event)."""
         unique, _ = self.distinct()
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
         for layer in self._pipelined_layers():
             if layer not in self._ahead and layer not in self._served:
                 weight = self.tables[str(layer)].weight
                 groups.setdefault((weight.dtype, weight.shape[1:]), []).append(layer)
+        pinned = self.stem_input_ids.device.type == "cuda"
         for (dtype, row), layers in groups.items():
-            pinned = self.stem_input_ids.device.type == "cuda"
             staged = torch.empty((len(layers), len(unique), *row), dtype=dtype, pin_memory=pinned)
             for at, layer in enumerate(layers):
                 weight = self.tables[str(layer)].weight
@@ -788,7 +797,7 @@ class StemTableRows:
             rows, ready = copy_staged(staged, self.stem_input_ids.device, self._main_stream())
             self._ahead.update({layer: (rows[at], ready) for at, layer in enumerate(layers)})
 
-    def _fetch(self, table: nn.Embedding, unique: torch.Tensor, main) -> tuple[torch.Tensor, object]:
+    def _fetch(self, table: nn.Embedding, unique: torch.Tensor, main) -> _Fetched:
         """The rows of `unique` on the ids' device, and the event that marks their copy done (CUDA only)."""
         settle(table.weight)  # on the worker: the layers before go on while a write behind finishes
         return fetch_rows(table.weight.detach(), unique, self.stem_input_ids.device, main)
@@ -1530,7 +1539,7 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
 
 __all__ = [
     "FUSED_LOOKUP_MIN_TOKENS",
-    "HOST_PIPELINE_MIN_IDS",
+    "HOST_AT_ONCE_MAX_IDS",
     "HOST_ROWS_AHEAD",
     "INDEX_SELECT_GRAIN",
     "StemDistinctRowsGrad",

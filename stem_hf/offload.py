@@ -52,22 +52,13 @@ from .checkpoint_stem import (
     reading_checkpoint,
 )
 from .mapped import map_safetensors
-from .modeling_stem import (
-    HOST_PIPELINE_MIN_IDS,
-    StemLookup,
-    check_token_ids,
-    fetch_rows,
-    gather_rows,
-    layers_ahead,
-    lookup_fuses,
-)
+from .modeling_stem import StemLookup, check_token_ids, fetch_rows, gather_rows, layers_ahead, lookup_fuses
 from .system import available_memory, check_disk_room
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
 # On CUDA, a forward with at least this many distinct ids (a prefill) fetches its rows layer by layer, overlapped with
-# the layers before (`StemPipelinedRows`); fewer (a decoding step) in one gather for every layer. The model's own host
-# tables split forwards at the same count.
-PIPELINE_MIN_IDS = HOST_PIPELINE_MIN_IDS
+# the layers before (`StemPipelinedRows`); fewer (a decoding step) in one gather for every layer.
+PIPELINE_MIN_IDS = 1024
 # The one tensor in the mapped store's file (`STORE_NAME`, beside the weights): `[vocab, stem_layers, d_ff]`.
 STORE_TENSOR = "rows"
 

@@ -932,7 +932,6 @@ def test_compiled_training_fetches_host_tables_rows_ahead_outside_the_graph(monk
     from stem_hf.training import use_sparse_table_grads
 
     monkeypatch.setattr(modeling_stem.StemTableRows, "host_served", lambda self, table: True)
-    monkeypatch.setattr(modeling_stem, "HOST_PIPELINE_MIN_IDS", 1)  # as a batch of that many distinct ids is served
     fetched, fetch = [], modeling_stem.StemTableRows._fetch
     monkeypatch.setattr(modeling_stem.StemTableRows, "_fetch", lambda self, *a: fetched.append(1) or fetch(self, *a))
     ids = _ids(4, (2, 10))

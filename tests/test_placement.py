@@ -93,11 +93,11 @@ def test_rows_of_a_table_on_another_device_take_the_deduplicating_path(monkeypat
 
 def _host_served(monkeypatch, pipelined: bool = True) -> list[tuple[int, str]]:
     """Serves every table through the host path a model on an accelerator takes, here with the ids on the CPU too:
-    `pipelined`, every forward's rows fetched ahead by the worker thread (as forwards of `HOST_PIPELINE_MIN_IDS`
-    distinct ids or more are); else as the default serves these small forwards, every table's at once on the
-    forward's thread. Returns the (layer, thread) of each worker fetch as it happens."""
+    `pipelined`, every forward's rows fetched ahead by the worker thread (as training forwards, and inference forwards
+    of more than `HOST_AT_ONCE_MAX_IDS` distinct ids, are); else as by default, where these small inference forwards
+    fetch every table's rows at once on their own thread. Returns the (layer, thread) of each fetch as it happens."""
     if pipelined:
-        monkeypatch.setattr(modeling_stem, "HOST_PIPELINE_MIN_IDS", 1)
+        monkeypatch.setattr(modeling_stem, "HOST_AT_ONCE_MAX_IDS", 0)
     fetches = []
     fetch = StemTableRows._fetch
 
@@ -167,7 +167,8 @@ def test_host_rows_equal_the_lookup_with_the_gradient_of_a_hand_computation(monk
 def test_a_model_served_from_host_tables_equals_resident_tables(monkeypatch, pipelined):
     """Logits, greedy tokens, gradients (with activation checkpointing) and the update of a training run are those of
     the same model reading its tables on the device: every forward fetched by the worker thread (`pipelined`), or as
-    forwards this small are by default, every table's rows at once on the forward's thread."""
+    by default, where these small inference forwards fetch every table's rows at once on their own thread (training
+    forwards are pipelined either way)."""
     torch.manual_seed(0)
     resident = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -192,25 +193,21 @@ def test_a_model_served_from_host_tables_equals_resident_tables(monkeypatch, pip
     host.gradient_checkpointing_enable()
     fetches.clear()
     host(input_ids=ids, labels=ids).loss.backward()
-    # Forward: each layer once (on the worker, where pipelined); checkpointing's recompute fetches again, in the
-    # backward's thread.
-    recomputed = fetches[3:] if pipelined else fetches
-    if pipelined:
-        assert sorted(fetches[:3]) == [(1, "stem-host-rows"), (2, "stem-host-rows"), (3, "stem-host-rows")]
-    assert sorted(layer for layer, _ in recomputed) == [1, 2, 3]
-    assert "stem-host-rows" not in {thread for _, thread in recomputed}
+    # Forward: each layer once, on the worker; checkpointing's recompute fetches again, in the backward's thread.
+    assert sorted(fetches[:3]) == [(1, "stem-host-rows"), (2, "stem-host-rows"), (3, "stem-host-rows")]
+    assert sorted(layer for layer, _ in fetches[3:]) == [1, 2, 3]
+    assert "stem-host-rows" not in {thread for _, thread in fetches[3:]}
     for name, param in host.named_parameters():
         torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("sparse", [False, True])
-def test_a_small_forward_fetches_every_host_tables_rows_at_once_on_its_own_thread(monkeypatch, sparse):
-    """Fewer distinct ids than `HOST_PIPELINE_MIN_IDS` (a decoding step): at the first ask, the forward's own thread
-    gathers every host table's rows, into one buffer per table dtype, each with one copy; nothing goes to the worker.
-    Rows and gradients are a hand computation's; a layer asked again (checkpointing's recompute) is fetched again. At
-    `HOST_PIPELINE_MIN_IDS` distinct ids the worker fetches ahead instead."""
+def test_a_small_inference_forward_fetches_every_host_tables_rows_at_once_on_its_own_thread(monkeypatch):
+    """At most `HOST_AT_ONCE_MAX_IDS` distinct ids, in inference (a decoding step): at the first ask, the forward's own
+    thread gathers every host table's rows, into one buffer per table dtype, each with one copy; nothing goes to the
+    worker. Rows are the tables'; a layer asked again is fetched again. With one id more, or with gradients on (a
+    training forward, which waits for each table's write behind layer by layer), the worker fetches ahead instead."""
     fetches = _host_served(monkeypatch, pipelined=False)
-    monkeypatch.setattr(modeling_stem, "HOST_PIPELINE_MIN_IDS", 4)
+    monkeypatch.setattr(modeling_stem, "HOST_AT_ONCE_MAX_IDS", 3)
     gathers, gather = [], modeling_stem.gather_rows
     monkeypatch.setattr(
         modeling_stem, "gather_rows", lambda *a, **k: gathers.append(threading.current_thread().name) or gather(*a, **k)
@@ -221,40 +218,31 @@ def test_a_small_forward_fetches_every_host_tables_rows_at_once_on_its_own_threa
     )
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3])
     tables = model.model.stem_tables
-    tables["2"].to(torch.bfloat16)  # a frozen table kept in bf16 beside trained float32 ones: two buffers
-    tables["2"].weight.requires_grad_(False)
-    for table in tables.values():
-        table.sparse = sparse
+    tables["2"].to(torch.bfloat16)  # a table kept in bf16 beside float32 ones: two buffers
     ids = torch.tensor([[5, 9, 5, 2], [9, 9, 2, 5]])  # 3 distinct
-    rows = StemTableRows(tables, ids)
-    got = rows[1]
     width = model.config.intermediate_size
-    assert fetches == [] and gathers == ["MainThread"] * 3
-    assert copies == [(2, 3, width), (1, 3, width)]  # layers 1 and 3 (float32) in one buffer, layer 2 (bf16) in one
-    assert sorted(rows._ahead) == [2, 3] and not any(isinstance(f, Future) for f in rows._ahead.values())
-    for layer in (2, 3):
-        assert torch.equal(rows[layer], tables[str(layer)].weight[ids])
-    assert len(gathers) == 3 and torch.equal(got, tables["1"].weight[ids])
-    again = rows[1]  # asked again: fetched again, alone
-    assert gathers == ["MainThread"] * 4 and copies[2:] == [(3, width)] and torch.equal(again, got)
-    assert fetches == [(1, "MainThread")]
+    with torch.no_grad():
+        rows = StemTableRows(tables, ids)
+        got = rows[1]
+        assert fetches == [] and gathers == ["MainThread"] * 3
+        assert copies == [(2, 3, width), (1, 3, width)]  # layers 1 and 3 (float32) in one buffer, layer 2 in one
+        assert sorted(rows._ahead) == [2, 3] and not any(isinstance(f, Future) for f in rows._ahead.values())
+        for layer in (2, 3):
+            assert torch.equal(rows[layer], tables[str(layer)].weight[ids])
+        assert len(gathers) == 3 and torch.equal(got, tables["1"].weight[ids])
+        again = rows[1]  # asked again: fetched again, alone
+        assert gathers == ["MainThread"] * 4 and copies[2:] == [(3, width)] and torch.equal(again, got)
+        assert fetches == [(1, "MainThread")]
 
-    (got.pow(2).sum() + again.sum()).backward()
-    squares, ones = torch.zeros_like(tables["1"].weight), torch.zeros_like(tables["1"].weight)
-    for i in ids.flatten():
-        squares[i] += 2 * tables["1"].weight[i].detach()
-        ones[i] += 1
-    expected = squares + ones  # each fetch's gradient, added by autograd
-    assert tables["1"].weight.grad.is_sparse is sparse and tables["2"].weight.grad is None
-    torch.testing.assert_close(tables["1"].weight.grad.to_dense(), expected, rtol=0, atol=0)
-
-    gathers.clear()
-    fetches.clear()
-    rows = StemTableRows(tables, torch.tensor([[5, 9, 5, 2, 40]]))  # 4 distinct: the worker fetches ahead
-    rows[1]
-    for ahead in rows._ahead.values():
-        ahead.result()
-    assert [layer for layer, _ in fetches] == [1, 2, 3] and set(gathers) == {"stem-host-rows_0"}
+    for grad, forward_ids in ((False, torch.tensor([[5, 9, 5, 2, 40]])), (True, ids)):  # 4 distinct; a training forward
+        gathers.clear()
+        fetches.clear()
+        with torch.set_grad_enabled(grad):
+            rows = StemTableRows(tables, forward_ids)
+            rows[1]
+        for ahead in rows._ahead.values():
+            ahead.result()
+        assert [layer for layer, _ in fetches] == [1, 2, 3] and set(gathers) == {"stem-host-rows_0"}
 
 
 def test_device_map_load_keeps_tables_mapped_and_logits_equal(tmp_path):
@@ -337,9 +325,8 @@ def test_auto_map_with_disk_offload_keeps_tables_mapped_and_outputs_equal(tmp_pa
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
 @pytest.mark.parametrize("sparse_table_grads", [None, False])  # StemTrainer's default (row-only), and dense
-def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monkeypatch, sparse_table_grads, pipelined):
+def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monkeypatch, sparse_table_grads):
     from datasets import Dataset
     from transformers import TrainingArguments
 
@@ -355,7 +342,7 @@ def test_training_from_host_tables_equals_training_resident_ones(tmp_path, monke
     models = []
     for host in (False, True):
         if host:
-            _host_served(monkeypatch, pipelined)
+            _host_served(monkeypatch)
         torch.manual_seed(0)
         model = sensitive_model(stem_layers=[1, 2, 3])
         trainer = StemTrainer(model=model, args=args, train_dataset=data, sparse_table_grads=sparse_table_grads)
@@ -723,7 +710,7 @@ def test_the_host_decode_benchmark_counts_each_ways_gathers_by_thread(monkeypatc
     bench = benchmark_script("bench_host_decode")
     args = argparse.Namespace(shape="tiny", layers=4, dtype="float32", batches=[1, 3], prompt_len=8, new_tokens=3,
                               repeats=1, out=str(tmp_path / "decode.json"))  # fmt: skip
-    report, unrouted = {}, StemTableRows.host_served
+    report, unrouted, at_once = {}, StemTableRows.host_served, modeling_stem.HOST_AT_ONCE_MAX_IDS
     bench.run(args, torch.device("cpu"), report)
     assert report["complete"] and json.loads((tmp_path / "decode.json").read_text()) == report
     for batch in (1, 3):
@@ -735,4 +722,4 @@ def test_the_host_decode_benchmark_counts_each_ways_gathers_by_thread(monkeypatc
         assert (pipelined["gathers_forward_thread"], pipelined["gathers_worker"]) == (0, stem_layers)
         assert all(row[way]["same_tokens_as_resident"] and row[way]["step_ms"] > 0 for way in bench.WAYS)
         assert row["host_vs_resident"] == pytest.approx(row["resident"]["step_ms"] / row["host"]["step_ms"], rel=1e-2)
-    assert StemTableRows.host_served is unrouted and modeling_stem.HOST_PIPELINE_MIN_IDS == 1024  # as before the runs
+    assert StemTableRows.host_served is unrouted and modeling_stem.HOST_AT_ONCE_MAX_IDS == at_once  # as before
