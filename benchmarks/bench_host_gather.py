@@ -15,6 +15,7 @@ copy of its own, a thread-pool round trip per row, so its cost grows with thread
 `GBps` counts the rows' bytes. Saves JSON after each STEM ratio (`complete` once all are in).
 
     python benchmarks/bench_host_gather.py          # benchmarks/results/bench_host_gather.json: a minute
+    python benchmarks/bench_host_gather.py --repeats 3 --out benchmarks/results/bench_host_gather_gpu.json  # gpu_check
     python benchmarks/bench_host_gather.py --vocab 600 --batch-size 2 --seq-len 64 --repeats 1 --out /tmp/g.json
 """
 
