@@ -121,11 +121,9 @@ def test_gradients_reach_host_tables_from_a_cuda_forward():
 
 
 def test_host_rows_come_ahead_from_the_worker_and_train_with_sparse_gradients_on_cuda(monkeypatch):
-    from stem_hf import modeling_stem
     from stem_hf.modeling_stem import StemTableRows
 
-    monkeypatch.setattr(modeling_stem, "HOST_AT_ONCE_MAX_IDS", 0)  # every inference forward pipelined too
-    threads, fetch = [], StemTableRows._fetch
+    threads, fetch = [], StemTableRows._fetch  # a training forward: pipelined, however few its ids
 
     def recorded(self, table, unique, main):
         rows, ready = fetch(self, table, unique, main)
@@ -428,11 +426,13 @@ def test_a_pipelined_prefill_copies_each_layers_rows_on_the_side_stream_ahead_of
 
     def held_back(source, unique, device, main):
         with torch.cuda.stream(_side_stream(_COPY_STREAMS, device)):
-            torch.cuda._sleep(20_000_000)  # tens of milliseconds of the side stream before the copy
+            torch.cuda._sleep(100_000_000)  # tens of milliseconds of the side stream before the copy
         return fetch(source, unique, device, main)
 
-    monkeypatch.setattr(offload, "fetch_rows", held_back)
     with torch.no_grad(), offloaded(model, int8=int8, pipeline_ids=8) as engine:
+        model(ids)  # the side stream's memory allocated here: an allocation may synchronize, which would end the sleep
+        torch.cuda.synchronize()
+        monkeypatch.setattr(offload, "fetch_rows", held_back)
         rows = engine(ids)
         assert isinstance(rows, StemPipelinedRows) and rows.main == torch.cuda.current_stream(CUDA)
         _, _, ready = engine._fetch_layer(3, rows.unique, rows.main)
