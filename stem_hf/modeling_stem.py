@@ -759,13 +759,25 @@ class StemTableRows:
         device = self.stem_input_ids.device
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
+    def start(self) -> None:
+        """Starts fetching the host tables' rows before the layers run (the ids are known before any compute): every
+        table's at once (`at_once`), or the first STEM layer's and the `HOST_ROWS_AHEAD` after it on the worker, so
+        the embedding and the dense layers before the first STEM layer overlap them. Nothing under compile."""
+        if torch.compiler.is_compiling() or not self._pipelined_layers():
+            return
+        if self.at_once():
+            self._fetch_at_once()
+        else:
+            self._fetch_ahead(min(self._pipelined_layers()))
+
     def at_once(self) -> bool:
         """Whether the `pipelined` tables' rows are fetched at once, on the forward's thread, rather than layer by layer
         ahead by the worker: in inference, for at most `HOST_AT_ONCE_MAX_IDS` distinct ids."""
         return not torch.is_grad_enabled() and len(self.distinct()[0]) <= HOST_AT_ONCE_MAX_IDS
 
     def _pipelined_layers(self) -> list[int]:
-        """The host-table layers whose rows come before their ask (a freed table raises when its layer asks)."""
+        """The host-table layers whose rows come before their ask (a freed table raises when its layer asks). Asked
+        outside compiled code only, where `pipelined` holds for the whole forward."""
         if self._layers is None:
             served = [(int(k), t) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
             self._layers = [layer for layer, table in served if table.weight.shape[0] != 0]
@@ -977,6 +989,7 @@ class StemTables(nn.ModuleDict):
         rows = StemTableRows(self, stem_input_ids)
         if torch.is_grad_enabled() and any(not rows.host_served(t) and rows.distinct_grad(t) for t in self.values()):
             rows.distinct_here()  # now, while the id check has just emptied the queue: its sync waits for little
+        rows.start()
         return rows
 
     def train(self, mode: bool = True) -> "StemTables":

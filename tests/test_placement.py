@@ -245,6 +245,27 @@ def test_a_small_inference_forward_fetches_every_host_tables_rows_at_once_on_its
         assert [layer for layer, _ in fetches] == [1, 2, 3] and set(gathers) == {"stem-host-rows_0"}
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_forward_starts_fetching_its_host_rows_before_its_first_layer(monkeypatch, pipelined):
+    """A forward's ids are known before any compute: it starts its host tables' fetches (the first STEM layers' on
+    the worker, or every table's at once) before layer 0, a dense layer, runs, so that they overlap it."""
+    _host_served(monkeypatch, pipelined)
+    events = []
+    for name in ("_fetch_ahead", "_fetch_at_once"):
+        original = getattr(StemTableRows, name)
+        monkeypatch.setattr(StemTableRows, name, lambda self, *a, f=original, n=name: events.append(n) or f(self, *a))
+    model = sensitive_model(stem_layers=[1, 2, 3])
+    for i in (0, 1):
+        model.model.layers[i].register_forward_pre_hook(lambda module, args, i=i: events.append(f"layer {i}"))
+    with torch.no_grad():
+        expected = model(torch.tensor([[5, 9, 5, 2]])).logits
+    assert events[:3] == ["_fetch_ahead" if pipelined else "_fetch_at_once", "layer 0", "layer 1"]
+    assert events.count("_fetch_at_once") == (0 if pipelined else 1)  # every table's fetched by the first
+    monkeypatch.undo()  # the same model's tables as resident ones: the same logits
+    with torch.no_grad():
+        assert torch.equal(sensitive_model(stem_layers=[1, 2, 3])(torch.tensor([[5, 9, 5, 2]])).logits, expected)
+
+
 def test_device_map_load_keeps_tables_mapped_and_logits_equal(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)
