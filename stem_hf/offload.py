@@ -437,6 +437,10 @@ class StemPipelinedRows(StemOffloadedRows):
             torch.cuda.current_stream(self.engine.device).wait_event(ready)
         return self.engine._dequantized(rows, scales)
 
+    def start(self) -> None:
+        """Starts the first STEM layer's fetch and the `HOST_ROWS_AHEAD` after it, before the layers run."""
+        self._fetch_ahead(min(self.engine.store.layers))
+
     def _fetch_ahead(self, layer_idx: int) -> None:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` STEM layers after it not yet started."""
         for layer in layers_ahead(self.engine.store.layers, layer_idx, (self._ahead, self._served)):
@@ -774,7 +778,9 @@ class StemOffloadEngine:
                 self.fetched_tokens += len(unique)
                 if isinstance(self.store, StemMappedTables):
                     self.store.advise(unique)  # every layer's rows of a token are one range: asked for at once
-                return StemPipelinedRows(self, unique, inverse)
+                rows = StemPipelinedRows(self, unique, inverse)
+                rows.start()  # as the forward starts: the embedding and the layers before the first STEM one overlap
+                return rows
             rows, scales, ready = self._fetch(unique)
             return StemOffloadedRows(self, rows, scales, inverse, ready)
         slots = self.cache.lookup(unique)
