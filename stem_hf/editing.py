@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .checkpoint_stem import FREED_TABLES, unsaved_id
+from .modeling_stem import StemLookup
 
 STRATEGIES = ("clone", "filler", "subset", "mean")
 RENAMED_STRATEGIES = {"pad": "clone"}  # old name: current name
@@ -192,7 +193,8 @@ class _EditedRows:
     def __init__(self, base, tables: nn.ModuleDict, overrides: list[tuple[torch.Tensor, torch.Tensor, tuple]]):
         self.base, self.tables, self.overrides = base, tables, overrides
 
-    def lookup(self, layer_idx: int):
+    def lookup(self, layer_idx: int) -> torch.Tensor | StemLookup:
+        """The wrapped source's `lookup` without `mean` overrides in this forward, else the rows gathered."""
         if self.overrides or not callable(getattr(type(self.base), "lookup", None)):
             return self[layer_idx]
         return self.base.lookup(layer_idx)

@@ -645,6 +645,7 @@ class StemTableRows:
         self._ahead: dict[int, Future[_Fetched] | _Fetched] = {}  # under way on the worker, or fetched at once
         self._served: set[int] = set()
         self._layers: list[int] | None = None
+        self._at_once: bool | None = None
         self.outside_rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
@@ -724,7 +725,7 @@ class StemTableRows:
         where tests route a model through this path). Under compile a thread is not traceable; a wrapped table (PEFT's
         trainable tokens) or a hooked one computes its rows in its own forward; a table on another accelerator, or ids
         on one without CUDA streams, are served by the plain lookup."""
-        plain = type(table) is StemTable and not (table._forward_hooks or table._forward_pre_hooks)
+        plain = type(table) is StemTable and not _hooked(table)
         on_host = table.weight.device.type == "cpu" and self.stem_input_ids.device.type in ("cuda", "cpu")
         return plain and on_host and not torch.compiler.is_compiling()
 
@@ -772,8 +773,11 @@ class StemTableRows:
 
     def at_once(self) -> bool:
         """Whether the `pipelined` tables' rows are fetched at once, on the forward's thread, rather than layer by layer
-        ahead by the worker: in inference, for at most `HOST_AT_ONCE_MAX_IDS` distinct ids."""
-        return not torch.is_grad_enabled() and len(self.distinct()[0]) <= HOST_AT_ONCE_MAX_IDS
+        ahead by the worker: in inference, for at most `HOST_AT_ONCE_MAX_IDS` distinct ids. Decided once per forward
+        (reentrant checkpointing runs a training forward's layers without gradients)."""
+        if self._at_once is None:
+            self._at_once = not torch.is_grad_enabled() and len(self.distinct()[0]) <= HOST_AT_ONCE_MAX_IDS
+        return self._at_once
 
     def _pipelined_layers(self) -> list[int]:
         """The host-table layers whose rows come before their ask (a freed table raises when its layer asks). Asked
@@ -989,7 +993,6 @@ class StemTables(nn.ModuleDict):
         rows = StemTableRows(self, stem_input_ids)
         if torch.is_grad_enabled() and any(not rows.host_served(t) and rows.distinct_grad(t) for t in self.values()):
             rows.distinct_here()  # now, while the id check has just emptied the queue: its sync waits for little
-        rows.start()
         return rows
 
     def train(self, mode: bool = True) -> "StemTables":
@@ -1294,6 +1297,13 @@ class StemModel(StemPreTrainedModel):
         self.__dict__["row_source"] = source  # never registered as a submodule: it is not part of the model
         return previous
 
+    def _layers_compiled(self) -> bool:
+        """Whether decoder layers are compiled one by one (`layer.compile()`, or `torch.compile` of each, as
+        accelerate's regional compilation does): their lookups are traced, and rows fetched before them would go
+        unread."""
+        return any(getattr(layer, "_compiled_call_impl", None) is not None or hasattr(layer, "_orig_mod")
+                   for layer in self.layers)  # fmt: skip
+
     def stem_rows(
         self, stem_input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor, soft_allowed: bool
     ) -> StemRows:
@@ -1323,6 +1333,8 @@ class StemModel(StemPreTrainedModel):
             if layers:
                 outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
+        if self.row_source is None and not self._layers_compiled():
+            stem_rows.start()  # the ids are known before any layer runs
         if outside:
             stem_rows.outside_rows.update(outside)
         if num_soft:

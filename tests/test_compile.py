@@ -948,6 +948,45 @@ def test_compiled_training_fetches_host_tables_rows_ahead_outside_the_graph(monk
         torch.testing.assert_close(grad.to_dense(), eager[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("wrapped", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_layers_compiled_one_by_one_start_no_host_row_fetch_they_would_not_read(monkeypatch, grad, wrapped):
+    """Decoder layers compiled one by one (`layer.compile()`, or each replaced by `torch.compile(layer)` as accelerate's
+    regional compilation does) trace their own lookups, so a forward over host tables (routed here on the CPU) starts
+    no fetch before them, which would go unread; the logits and gradients are those of the eager model."""
+    monkeypatch.setattr(modeling_stem.StemTableRows, "host_served", lambda self, table: True)
+    ids = _ids(5, (2, 10))
+    model = sensitive_model(table_dtype="float32")
+    with torch.set_grad_enabled(grad):
+        expected = model(ids).logits
+        if grad:
+            expected.sum().backward()
+            expected_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+            model.zero_grad()
+    started = []
+    for name in ("start", "_fetch_at_once", "_fetch_ahead"):
+        original = getattr(modeling_stem.StemTableRows, name)
+        monkeypatch.setattr(
+            modeling_stem.StemTableRows, name, lambda self, *a, f=original, n=name: started.append(n) or f(self, *a)
+        )
+    torch._dynamo.reset()
+    for i, layer in enumerate(model.model.layers):
+        if wrapped:
+            model.model.layers[i] = torch.compile(layer, backend="eager")
+        else:
+            layer.compile(backend="eager")
+    with torch.set_grad_enabled(grad):
+        logits = model(ids).logits
+        if grad:
+            logits.sum().backward()
+    assert started == []
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    if grad:
+        for name, param in model.named_parameters():
+            name = name.replace("._orig_mod", "")
+            torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_the_gpu_benchmarks_host_and_engine_cases_run_when_routed_through_the_cpu(monkeypatch):
     """`bench_gpu.py`'s host-table and engine cases of prefill and decode, which run on an accelerator only, here on
     the CPU (tables "moved" to the host stay where they are): every figure they write, so a GPU session's minutes are

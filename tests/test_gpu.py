@@ -165,7 +165,9 @@ def test_a_small_inference_forward_copies_every_host_tables_rows_at_once_on_the_
     kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         expected, tokens = resident(ids).logits, resident.generate(ids, **kwargs)
-        host(ids)  # the side stream's memory allocated here: an allocation may synchronize, which would end the sleep
+        # The side stream's memory allocated here (an allocation may synchronize, which would end the sleep), with other
+        # rows than the held-back forward's: a layer that did not wait would read wrong rows, not stale right ones.
+        host((ids + 1) % host.config.vocab_size)
     torch.cuda.synchronize()
     copies, copy_staged = [], modeling_stem.copy_staged
 
@@ -430,7 +432,7 @@ def test_a_pipelined_prefill_copies_each_layers_rows_on_the_side_stream_ahead_of
         return fetch(source, unique, device, main)
 
     with torch.no_grad(), offloaded(model, int8=int8, pipeline_ids=8) as engine:
-        model(ids)  # the side stream's memory allocated here: an allocation may synchronize, which would end the sleep
+        model((ids + 1) % model.config.vocab_size)  # allocates the side stream's memory (see the at-once test)
         torch.cuda.synchronize()
         monkeypatch.setattr(offload, "fetch_rows", held_back)
         rows = engine(ids)
