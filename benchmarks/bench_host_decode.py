@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from stem_hf import StemConfig, StemForCausalLM, modeling_stem
 from stem_hf.cli_args import positive_int, positive_ints
+from stem_hf.compat_stem import CACHE_ARG
 
 
 class Dispatched(TorchDispatchMode):
@@ -105,7 +106,7 @@ def one_step(models: dict, way: str, prompt: torch.Tensor) -> dict:
         out = model(prompt, use_cache=True)
         step = out.logits[:, -1:].argmax(-1)
         with gathers_by_thread() as gathers, Dispatched() as dispatched:
-            model(step, cache=out.cache, use_cache=True)
+            model(step, **{CACHE_ARG: getattr(out, CACHE_ARG)}, use_cache=True)
     return {"ops": dispatched.count, "gathers_forward_thread": gathers["forward"], "gathers_worker": gathers["worker"]}
 
 
