@@ -718,6 +718,24 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
         assert 0 < case["distinct_rows"] <= 150
 
 
+# Runs each `[script, arguments]` given as JSON on stdin as `python SCRIPT ARGS` would (the script's folder first on
+# the path), all in one process; prints each one's exit status (None: it returned) and the end of its stderr, as JSON.
+_RUN_EACH = """
+import contextlib, io, json, os, runpy, sys
+results = []
+for script, arguments in json.load(sys.stdin):
+    sys.argv, sys.path[0] = [script, *arguments], os.path.dirname(os.path.abspath(script))
+    err, code = io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:
+        code = exit.code
+    results.append([code, err.getvalue()[-2000:]])
+print(json.dumps(results))
+"""
+
+
 def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path):
     """`--tokens` and `--decode-batches` take whole numbers of at least 1, comma-separated (`cli_args.positive_ints`),
     `--specs` and `--skip` STEM ratios and parts the benchmark knows; anything else is refused by argparse, naming the
@@ -734,19 +752,20 @@ def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path)
     for kind, bad, message in bad_types:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             kind(bad)
-    # And argparse takes them as the options' types: one bad value each, in a subprocess (a few seconds each).
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # And argparse takes them as the options' types: one bad value each, every script run in one subprocess (its
+    # imports paid once) as `python SCRIPT ARGS` would run it.
     cases = [("bench_lookup_kernel", "--tokens", "1,x", "must be whole numbers"),
              ("bench_gpu", "--decode-batches", "0", "must be whole numbers"),
              ("bench_gpu", "--specs", "1/4", "must be among 1/3, 1/2, full"),
              ("bench_gpu", "--skip", "train,engine", "must be among prefill")]  # fmt: skip
-    for script, option, bad, message in cases:
-        out = tmp_path / f"{script}.json"
-        command = [sys.executable, os.path.join(root, f"benchmarks/{script}.py"), "--device", "cpu", option, bad,
-                   "--out", str(out)]  # fmt: skip
-        run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
-        assert run.returncode == 2 and f"argument {option}: {message}" in run.stderr, run.stderr
-        assert not out.exists()
+    runs = [[f"benchmarks/{script}.py", ["--device", "cpu", option, bad, "--out", str(tmp_path / f"{script}.json")]]
+            for script, option, bad, _ in cases]  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _RUN_EACH], input=json.dumps(runs), cwd=root, capture_output=True,
+                          text=True, check=True, timeout=300)  # fmt: skip
+    for (script, option, _, message), (code, stderr) in zip(cases, json.loads(done.stdout), strict=True):
+        assert code == 2 and f"argument {option}: {message}" in stderr, (script, code, stderr)
+        assert not (tmp_path / f"{script}.json").exists()
 
 
 def test_the_gpu_check_runs_a_benchmark_script_and_keeps_its_json_or_its_error(tmp_path, monkeypatch):
@@ -948,8 +967,7 @@ def test_compiled_training_fetches_host_tables_rows_ahead_outside_the_graph(monk
         torch.testing.assert_close(grad.to_dense(), eager[name].to_dense(), rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("wrapped", [False, True])
-@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("grad, wrapped", [(False, False), (True, True)])  # each way of compiling, each mode
 def test_layers_compiled_one_by_one_start_no_host_row_fetch_they_would_not_read(monkeypatch, grad, wrapped):
     """Decoder layers compiled one by one (`layer.compile()`, or each replaced by `torch.compile(layer)` as accelerate's
     regional compilation does) trace their own lookups, so a forward over host tables (routed here on the CPU) starts
