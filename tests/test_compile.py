@@ -719,7 +719,8 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
 
 
 # Runs each `[script, arguments]` given as JSON on stdin as `python SCRIPT ARGS` would (the script's folder first on
-# the path), all in one process; prints each one's exit status (None: it returned) and the end of its stderr, as JSON.
+# the path, the repository importable), all in one process; prints each one's exit status (None: it returned; a string:
+# it raised) and the end of its stderr, as JSON.
 _RUN_EACH = """
 import contextlib, io, json, os, runpy, sys
 results = []
@@ -731,6 +732,8 @@ for script, arguments in json.load(sys.stdin):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exit:
         code = exit.code
+    except Exception as error:
+        code = f"raised {error!r}"
     results.append([code, err.getvalue()[-2000:]])
 print(json.dumps(results))
 """
@@ -762,7 +765,7 @@ def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path)
             for script, option, bad, _ in cases]  # fmt: skip
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", _RUN_EACH], input=json.dumps(runs), cwd=root, capture_output=True,
-                          text=True, check=True, timeout=300)  # fmt: skip
+                          text=True, check=True, timeout=300, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
     for (script, option, _, message), (code, stderr) in zip(cases, json.loads(done.stdout), strict=True):
         assert code == 2 and f"argument {option}: {message}" in stderr, (script, code, stderr)
         assert not (tmp_path / f"{script}.json").exists()
