@@ -38,6 +38,62 @@ def tiny_model(**overrides) -> StemForCausalLM:
     return StemForCausalLM(tiny_config(**overrides)).eval()
 
 
+# Parses each command line given as JSON on stdin as `python SCRIPT ARGS` would (the script's folder first on the
+# path), all in one process, so the imports (torch, transformers) are paid once: the script runs until its parser has
+# read the whole line, which ends it (`--help` would end it sooner, before an unknown option is reported; arguments
+# left unread by `parse_known_args` are refused). Checks a script makes after parsing (one option against another) do
+# not run. Prints each one's exit status and the end of what it wrote to stderr, as JSON.
+_PARSE_ALL = """
+import argparse, contextlib, io, json, os, runpy, sys
+class Parsed(BaseException):  # not an Exception: a script's `except Exception` cannot swallow it and go on
+    pass
+inside = []
+def stop_after(parse, known):
+    def parsed(self, *args, **kwargs):
+        if inside:  # parse_args reading its line through parse_known_args: it checks the rest itself
+            return parse(self, *args, **kwargs)
+        inside.append(parse)
+        try:
+            out = parse(self, *args, **kwargs)
+        finally:
+            inside.pop()
+        if known and out[1]:  # what a script reading known arguments would leave unread
+            self.error("unrecognized arguments: " + " ".join(out[1]))
+        raise Parsed
+    return parsed
+argparse.ArgumentParser.parse_args = stop_after(argparse.ArgumentParser.parse_args, False)
+argparse.ArgumentParser.parse_known_args = stop_after(argparse.ArgumentParser.parse_known_args, True)
+results = []
+for script, arguments in json.load(sys.stdin):
+    sys.argv, sys.path[0] = [script, *arguments], os.path.dirname(os.path.abspath(script))
+    err, code = io.StringIO(), "never parsed its arguments"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            runpy.run_path(script, run_name="__main__")
+    except Parsed:
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    except Exception as error:
+        code = f"raised {error!r}"
+    results.append([code, err.getvalue()[-2000:]])
+print(json.dumps(results))
+"""
+
+
+def parse_benchmark_runs(runs: list[list]) -> list[list]:
+    """`[script, arguments]` pairs (script paths from the repository root) parsed by each script's own parser in one
+    subprocess (`_PARSE_ALL`), the repository importable: `[exit status, end of stderr]` each."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _PARSE_ALL], input=json.dumps(runs), cwd=root, capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    return json.loads(done.stdout)
+
+
 def benchmark_script(name: str):
     """`benchmarks/{name}.py` imported as a module (its `main` not run), for tests of its helpers."""
     import importlib.util

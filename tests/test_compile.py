@@ -17,7 +17,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingC
 
 from stem_hf import modeling_stem
 from stem_hf.host_syncs import HostSyncCounter, train_step_syncs
-from tests.conftest import TINY, benchmark_script, sensitive_model, tiny_model
+from tests.conftest import TINY, benchmark_script, parse_benchmark_runs, sensitive_model, tiny_model
 
 
 def _ids(seed: int = 0, shape=(2, 12)) -> torch.Tensor:
@@ -718,27 +718,6 @@ def test_the_lookup_kernel_benchmark_runs_on_cpu_and_every_way_agrees_with_the_r
         assert 0 < case["distinct_rows"] <= 150
 
 
-# Runs each `[script, arguments]` given as JSON on stdin as `python SCRIPT ARGS` would (the script's folder first on
-# the path, the repository importable), all in one process; prints each one's exit status (None: it returned; a string:
-# it raised) and the end of its stderr, as JSON.
-_RUN_EACH = """
-import contextlib, io, json, os, runpy, sys
-results = []
-for script, arguments in json.load(sys.stdin):
-    sys.argv, sys.path[0] = [script, *arguments], os.path.dirname(os.path.abspath(script))
-    err, code = io.StringIO(), None
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            runpy.run_path(script, run_name="__main__")
-    except SystemExit as exit:
-        code = exit.code
-    except Exception as error:
-        code = f"raised {error!r}"
-    results.append([code, err.getvalue()[-2000:]])
-print(json.dumps(results))
-"""
-
-
 def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path):
     """`--tokens` and `--decode-batches` take whole numbers of at least 1, comma-separated (`cli_args.positive_ints`),
     `--specs` and `--skip` STEM ratios and parts the benchmark knows; anything else is refused by argparse, naming the
@@ -755,18 +734,15 @@ def test_the_gpu_benchmarks_refuse_a_bad_list_of_sizes_before_any_work(tmp_path)
     for kind, bad, message in bad_types:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             kind(bad)
-    # And argparse takes them as the options' types: one bad value each, every script run in one subprocess (its
-    # imports paid once) as `python SCRIPT ARGS` would run it.
+    # And argparse takes them as the options' types: one bad value each, every script's parser run in one subprocess
+    # (its imports paid once), as `python SCRIPT ARGS` would run it.
     cases = [("bench_lookup_kernel", "--tokens", "1,x", "must be whole numbers"),
              ("bench_gpu", "--decode-batches", "0", "must be whole numbers"),
              ("bench_gpu", "--specs", "1/4", "must be among 1/3, 1/2, full"),
              ("bench_gpu", "--skip", "train,engine", "must be among prefill")]  # fmt: skip
     runs = [[f"benchmarks/{script}.py", ["--device", "cpu", option, bad, "--out", str(tmp_path / f"{script}.json")]]
             for script, option, bad, _ in cases]  # fmt: skip
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _RUN_EACH], input=json.dumps(runs), cwd=root, capture_output=True,
-                          text=True, check=True, timeout=300, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
-    for (script, option, _, message), (code, stderr) in zip(cases, json.loads(done.stdout), strict=True):
+    for (script, option, _, message), (code, stderr) in zip(cases, parse_benchmark_runs(runs), strict=True):
         assert code == 2 and f"argument {option}: {message}" in stderr, (script, code, stderr)
         assert not (tmp_path / f"{script}.json").exists()
 

@@ -4,13 +4,12 @@ takes, and every relative link finds its file (and, with `#anchor`, a heading th
 
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from stem_hf.cli import build_parser
+from tests.conftest import parse_benchmark_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted(
@@ -153,58 +152,12 @@ def test_the_docs_pass_options_to_benchmarks():
     assert BENCHMARK_RUNS
 
 
-# Parses each command line given as JSON on stdin as `python SCRIPT ARGS` would (the script's folder first on the
-# path), all in one process, so the imports (torch, transformers) are paid once: the script runs until its parser has
-# read the whole line, which ends it (`--help` would end it sooner, before an unknown option is reported; arguments
-# left unread by `parse_known_args` are refused). Checks a script makes after parsing (one option against another) do
-# not run. Prints each one's exit status and the end of what it wrote to stderr, as JSON.
-_PARSE_ALL = """
-import argparse, contextlib, io, json, os, runpy, sys
-class Parsed(BaseException):  # not an Exception: a script's `except Exception` cannot swallow it and go on
-    pass
-inside = []
-def stop_after(parse, known):
-    def parsed(self, *args, **kwargs):
-        if inside:  # parse_args reading its line through parse_known_args: it checks the rest itself
-            return parse(self, *args, **kwargs)
-        inside.append(parse)
-        try:
-            out = parse(self, *args, **kwargs)
-        finally:
-            inside.pop()
-        if known and out[1]:  # what a script reading known arguments would leave unread
-            self.error("unrecognized arguments: " + " ".join(out[1]))
-        raise Parsed
-    return parsed
-argparse.ArgumentParser.parse_args = stop_after(argparse.ArgumentParser.parse_args, False)
-argparse.ArgumentParser.parse_known_args = stop_after(argparse.ArgumentParser.parse_known_args, True)
-results = []
-for script, arguments in json.load(sys.stdin):
-    sys.argv, sys.path[0] = [script, *arguments], os.path.dirname(os.path.abspath(script))
-    err, code = io.StringIO(), "never parsed its arguments"
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            runpy.run_path(script, run_name="__main__")
-    except Parsed:
-        code = 0
-    except SystemExit as exit:
-        code = exit.code
-    except Exception as error:
-        code = f"raised {error!r}"
-    results.append([code, err.getvalue()[-2000:]])
-print(json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def parsed_benchmark_runs() -> dict[tuple[str, tuple[str, ...]], tuple[int, str]]:
-    """Every benchmark command line of the docs parsed by its script (`_PARSE_ALL`): exit status, stderr."""
-    import json
+    """Every benchmark command line of the docs parsed by its script (`parse_benchmark_runs`): exit status, stderr."""
 
     runs = [[script, list(arguments)] for script, arguments in BENCHMARK_RUNS]
-    done = subprocess.run([sys.executable, "-c", _PARSE_ALL], input=json.dumps(runs), cwd=ROOT, capture_output=True,
-                          text=True, check=True)  # fmt: skip
-    return {run: tuple(result) for run, result in zip(BENCHMARK_RUNS, json.loads(done.stdout), strict=True)}
+    return {run: tuple(result) for run, result in zip(BENCHMARK_RUNS, parse_benchmark_runs(runs), strict=True)}
 
 
 @pytest.mark.parametrize("script, arguments", BENCHMARK_RUNS, ids=[" ".join((s, *a)) for s, a in BENCHMARK_RUNS])
@@ -218,15 +171,12 @@ def test_benchmark_commands_parse(script, arguments, parsed_benchmark_runs):
 def test_a_bad_benchmark_command_line_fails_to_parse():
     """What `test_benchmark_commands_parse` relies on: a wrong option or value is an exit status 2 with argparse's
     message, where `--help` would have exited 0."""
-    import json
 
     runs = [["benchmarks/bench_gpu.py", ["--no-such-option"]], ["benchmarks/bench_gpu.py", ["--skip", "nothing"]],
             ["benchmarks/bench_scale.py", ["--quick", "--no-such-option"]],
             ["benchmarks/profile_gpu.py", ["--only", "no_such_variant"]],
             ["benchmarks/bench_gpu.py", ["--skip", "decode"]], ["benchmarks/bench_scale.py", ["--quick"]]]  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", _PARSE_ALL], input=json.dumps(runs), cwd=ROOT, capture_output=True,
-                          text=True, check=True)  # fmt: skip
-    results = json.loads(done.stdout)
+    results = parse_benchmark_runs(runs)
     (option, option_err), (value, value_err), (known, known_err), (variant, variant_err), *good = results
     assert option == 2 and "unrecognized arguments: --no-such-option" in option_err
     assert value == 2 and "argument --skip: must be among" in value_err
