@@ -1,15 +1,17 @@
-"""What serving STEM tables from host memory costs a decoding step, where the step waits on the thread that launches its
-kernels (eager decoding on a GPU: each of `bench_gpu.py`'s decode steps is mostly launches). Greedy decode of
-`--new-tokens` after a `--prompt-len` Zipf prompt per batch, STEM-1/2 with its tables three ways, timed in turn round by
-round (`bench_gpu.paired_decode`):
+"""What STEM, and serving its tables from host memory, costs a decoding step, where the step waits on the thread that
+launches its kernels (eager decoding on a GPU: each of `bench_gpu.py`'s decode steps is mostly launches). Greedy
+decode of `--new-tokens` after a `--prompt-len` Zipf prompt per batch, a dense Llama and STEM-1/2 of the same shape
+with its tables three ways, timed in turn round by round (`bench_gpu.paired_decode`):
 
+- `dense`: `LlamaForCausalLM`, the baseline (`resident_vs_dense`, `host_vs_dense`: its step time over theirs);
 - `resident`: the tables on the device of the ids;
 - `host`: the model's own host path as it serves a decoding step (at most `HOST_AT_ONCE_MAX_IDS` distinct ids, in
   inference: every table's rows gathered at once, by the forward's own thread, one copy);
 - `host_pipelined`: the same path with every forward pipelined (`HOST_AT_ONCE_MAX_IDS` = 0: the worker thread
   fetches each layer's rows ahead of the layers), as every forward was served before.
 
-Per decoding step it also counts the operators the forward's own thread dispatches and the gathers each thread runs.
+Per decoding step it also counts the operators the forward's own thread dispatches, its Python calls, and the gathers
+each thread runs.
 On a CPU the tables are routed through the host path with the ids on the CPU too, as the tests route them (what is
 missing is the copy to an accelerator, a side-stream copy of the gathered rows); the default shape (`tiny`, 12 layers)
 is small enough that a step is launch-bound, as on a GPU; one intra-op thread leaves this 2-core machine's second core
@@ -21,6 +23,7 @@ to the worker thread, as a GPU host's many cores do. On CUDA the tables go to ho
 """
 
 import argparse
+import sys
 import threading
 from contextlib import contextmanager
 from functools import partial
@@ -29,6 +32,7 @@ import torch
 from bench_gpu import SHAPES, VOCAB, config_kwargs, decode_once, paired_decode, save, token_ids
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from stem_hf import StemConfig, StemForCausalLM, modeling_stem
 from stem_hf.cli_args import positive_int, positive_ints
@@ -47,14 +51,18 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(args, device: torch.device) -> StemForCausalLM:
-    """A random STEM-1/2 model of `--shape` with `--layers` layers, tables resident, in `--dtype`."""
+def build(args, device: torch.device, dense: bool = False) -> StemForCausalLM | LlamaForCausalLM:
+    """A random STEM-1/2 model of `--shape` with `--layers` layers, tables resident, in `--dtype`; or (`dense`) the
+    Llama of the same shape."""
     torch.manual_seed(0)
     kwargs = {**config_kwargs(args.shape), "num_hidden_layers": args.layers}
-    config = StemConfig(**kwargs, stem_layers="1/2", table_dtype=args.dtype)
-    config.keep_tables_on_cpu = False
+    if dense:
+        config = LlamaConfig(**kwargs)
+    else:
+        config = StemConfig(**kwargs, stem_layers="1/2", table_dtype=args.dtype)
+        config.keep_tables_on_cpu = False
     with torch.device(device):
-        model = StemForCausalLM(config)
+        model = (LlamaForCausalLM if dense else StemForCausalLM)(config)
     return model.to(getattr(torch, args.dtype)).eval()
 
 
@@ -63,11 +71,11 @@ def tables(models: dict[str, StemForCausalLM], way: str):
     """The model whose tables are served as `way` says, for the block: `resident`, or by the host path (`host`;
     `host_pipelined`, every forward fetched by the worker thread). On a CPU one model, routed through the host path with
     the ids on the CPU; on an accelerator a second model of the same weights whose tables are in host memory."""
-    model = models["resident"] if way == "resident" else models["host"]
+    model = models[way] if way in ("dense", "resident") else models["host"]
     saved = modeling_stem.HOST_AT_ONCE_MAX_IDS, modeling_stem.StemTableRows.host_served
     if way == "host_pipelined":
         modeling_stem.HOST_AT_ONCE_MAX_IDS = 0
-    if way != "resident" and model.device.type == "cpu":
+    if way.startswith("host") and model.device.type == "cpu":
         modeling_stem.StemTableRows.host_served = lambda self, table: True
     try:
         yield model
@@ -99,23 +107,48 @@ def gathers_by_thread():
         modeling_stem.gather_rows = gather
 
 
+@contextmanager
+def python_calls():
+    """Yields a dict whose `calls` counts the Python functions the calling thread enters in the block."""
+    counts = {"calls": 0}
+
+    def count(frame, event, arg) -> None:
+        if event == "call":
+            counts["calls"] += 1
+
+    sys.setprofile(count)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(None)
+
+
 @torch.no_grad()
 def one_step(models: dict, way: str, prompt: torch.Tensor) -> dict:
-    """One decoding step after the prompt's prefill: the operators its thread dispatched and the gathers per thread."""
+    """One decoding step after the prompt's prefill: the operators its thread dispatched, its Python calls (a second
+    step, apart: the profile function slows the operators down) and the gathers per thread."""
     with tables(models, way) as model:
         out = model(prompt, use_cache=True)
         step = out.logits[:, -1:].argmax(-1)
+        cache = getattr(out, CACHE_ARG)
         with gathers_by_thread() as gathers, Dispatched() as dispatched:
-            model(step, **{CACHE_ARG: getattr(out, CACHE_ARG)}, use_cache=True)
-    return {"ops": dispatched.count, "gathers_forward_thread": gathers["forward"], "gathers_worker": gathers["worker"]}
+            model(step, **{CACHE_ARG: cache}, use_cache=True)
+        with python_calls() as python:
+            model(step, **{CACHE_ARG: cache}, use_cache=True)
+    return {
+        "ops": dispatched.count,
+        "python_calls": python["calls"],
+        "gathers_forward_thread": gathers["forward"],
+        "gathers_worker": gathers["worker"],
+    }
 
 
-WAYS = ("resident", "host", "host_pipelined")
+WAYS = ("dense", "resident", "host", "host_pipelined")
 
 
 def run(args, device: torch.device, report: dict) -> None:
     """Fills `report` batch by batch, saving it after each (`complete` once every batch is in)."""
-    models = {"resident": build(args, device)}
+    models = {"dense": build(args, device, dense=True), "resident": build(args, device)}
     models["host"] = models["resident"]
     if device.type != "cpu":
         models["host"] = build(args, device)
@@ -129,8 +162,11 @@ def run(args, device: torch.device, report: dict) -> None:
         for way in WAYS:
             step_s, tokens, repeatable = runs[way]
             row[way] = {"step_ms": round(step_s * 1e3, 3), **one_step(models, way, prompt)}
-            row[way]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][1]))
-        resident, host, pipelined = (runs[way][0] for way in WAYS)
+            if way != "dense":  # another model's tokens
+                row[way]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][1]))
+        dense, resident, host, pipelined = (runs[way][0] for way in WAYS)
+        row["resident_vs_dense"] = round(dense / resident, 3)
+        row["host_vs_dense"] = round(dense / host, 3)
         row["host_vs_resident"] = round(resident / host, 3)
         row["host_pipelined_vs_resident"] = round(resident / pipelined, 3)
         row["host_over_host_pipelined"] = round(pipelined / host, 3)

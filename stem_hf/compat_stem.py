@@ -52,7 +52,9 @@ def takes_cache(forward: Callable) -> Callable:
 
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
-        return forward(*args, **rename_cache(kwargs, "cache", forward.__qualname__))
+        if "past_key_values" in kwargs:  # else nothing to rename: every decoder layer's call from transformers 5.24 on
+            kwargs = rename_cache(kwargs, "cache", forward.__qualname__)
+        return forward(*args, **kwargs)
 
     wrapper.__signature__ = signature.replace(parameters=parameters)
     return wrapper
@@ -61,14 +63,18 @@ def takes_cache(forward: Callable) -> Callable:
 def rename_cache(kwargs: dict, name: str, owner: str) -> dict:
     """`kwargs` with the KV cache under `name`, whichever of `CACHE_ARGS` it came under. Giving both is an error (a
     name given as None does not count: wrappers pass one name as None)."""
-    given = {arg: kwargs.pop(arg) for arg in CACHE_ARGS if arg in kwargs}
-    values = [value for value in given.values() if value is not None]
-    if len(values) > 1:
-        raise TypeError(
-            f"{owner}: got both `cache` and `past_key_values`, two names of the one KV cache argument; give one"
-        )
+    # Loops, not comprehensions: every decoder layer renames once per forward under transformers before 5.24.
+    given, value = False, None
+    for arg in CACHE_ARGS:
+        if arg in kwargs:
+            given, cache = True, kwargs.pop(arg)
+            if cache is not None and value is not None:
+                raise TypeError(
+                    f"{owner}: got both `cache` and `past_key_values`, two names of the one KV cache argument; give one"
+                )
+            value = cache if cache is not None else value
     if given:
-        kwargs[name] = values[0] if values else None
+        kwargs[name] = value
     return kwargs
 
 

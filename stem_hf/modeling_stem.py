@@ -90,8 +90,7 @@ class StemRotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
 
-    @torch.no_grad()
-    @dynamic_rope_update
+    @dynamic_rope_update  # no `torch.no_grad()`: nothing here requires grad, and its context costs every forward
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -154,6 +153,7 @@ class StemAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+        self.qk_norm = config.qk_norm  # read per layer per step: a config's attribute access is slow
 
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
@@ -179,7 +179,7 @@ class StemAttention(nn.Module):
 
         query_states = self.q_proj(hidden_states).view(hidden_shape)
         key_states = self.k_proj(hidden_states).view(hidden_shape)
-        if self.config.qk_norm:
+        if self.qk_norm:
             query_states = self.q_norm(query_states)
             key_states = self.k_norm(key_states)
         query_states = query_states.transpose(1, 2)
@@ -299,7 +299,12 @@ if hasattr(os, "register_at_fork"):
 def _hooked(module: nn.Module) -> bool:
     """Whether something reads or replaces `module`'s forward: its own hooks, or an accelerate hook (which replaces
     `forward` itself)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+    if module._forward_hooks or module._forward_pre_hooks:
+        return True
+    # Accelerate sets `_hf_hook` in the instance's dict, where eager code finds it without the AttributeError that
+    # `hasattr` raises and catches inside `nn.Module.__getattr__` (asked per layer per decoding step); dynamo guards
+    # `hasattr`, not the dict's keys.
+    return hasattr(module, "_hf_hook") if torch.compiler.is_compiling() else "_hf_hook" in module.__dict__
 
 
 def _usual(table: nn.Embedding) -> bool:
@@ -646,21 +651,26 @@ class StemTableRows:
         self._served: set[int] = set()
         self._layers: list[int] | None = None
         self._at_once: bool | None = None
+        self._fusing: bool | None = None  # whether this forward's ids fuse (`lookup_fuses`), once asked
+        self._device = stem_input_ids.device
         self.outside_rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         if layer_idx in self.outside_rows:
             return self.outside_rows[layer_idx]
-        table = self.tables[str(layer_idx)]
-        if table.weight.shape[0] == 0:
+        return self._rows(layer_idx, self.tables[str(layer_idx)])
+
+    def _rows(self, layer_idx: int, table: nn.Embedding) -> torch.Tensor:
+        weight = table.weight
+        if weight.shape[0] == 0:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
         if torch.compiler.is_compiling() and outside_graph(table):  # layers compiled one by one: this layer's alone
             return _rows_outside_graph_of(self, layer_idx)
         if not self.host_served(table):
-            settle(table.weight)
+            settle(weight)
             if self.distinct_grad(table):
                 unique, inverse = self.distinct_here()
-                return StemDistinctRowsGrad.apply(table.weight, self.stem_input_ids, unique, inverse)
+                return StemDistinctRowsGrad.apply(weight, self.stem_input_ids, unique, inverse)
             return table(self.stem_input_ids)
         return self.host_rows(layer_idx)
 
@@ -669,8 +679,8 @@ class StemTableRows:
         kernel (`fuses`), what to gather from: the table and the ids (with the distinct ids where the table's gradient
         is sparse over them), or the rows moved from host memory and each position's place among them."""
         table = self.tables[str(layer_idx)]
-        if table.weight.shape[0] == 0 or not self.fuses(table):
-            return self[layer_idx]
+        if not self.fuses(table) or table.weight.shape[0] == 0:
+            return self.outside_rows[layer_idx] if layer_idx in self.outside_rows else self._rows(layer_idx, table)
         if not self.host_served(table):
             settle(table.weight)
             if self.distinct_grad(table):
@@ -682,12 +692,15 @@ class StemTableRows:
         """Whether the layer gathers `table`'s rows inside its own kernel (`fused_gated_lookup`), as
         `config.fused_table_lookup` says (None: where the ids are on a device `fuses_lookups_on`, for forwards of at
         least `FUSED_LOOKUP_MIN_TOKENS` tokens): a plain table, in inference and eager training (a compiled train step
-        takes the model's own graph)."""
-        if type(table) is not StemTable or (torch.is_grad_enabled() and torch.compiler.is_compiling()):
+        takes the model's own graph). The forward's part of that is decided once, first: a decoding step asks it per
+        STEM layer, and a step's time on a GPU is mostly the launching thread's."""
+        if self._fusing is None:
+            self._fusing = lookup_fuses(self.tables.config, self.stem_input_ids)
+        if not self._fusing or type(table) is not StemTable:
             return False
-        if _hooked(table) or not _usual(table) or table.weight.device.type == "meta":
+        if torch.is_grad_enabled() and torch.compiler.is_compiling():
             return False
-        return lookup_fuses(self.tables.config, self.stem_input_ids)
+        return not (_hooked(table) or not _usual(table) or table.weight.device.type == "meta")
 
     def distinct_grad(self, table: nn.Embedding) -> bool:
         """Whether a table on the ids' device gets its sparse gradient over the distinct ids (`StemDistinctRowsGrad`):
@@ -710,7 +723,7 @@ class StemTableRows:
     def host_served(self, table: nn.Embedding) -> bool:
         """Whether `table` lives on another device than the ids (meta: an accelerate hook brings the weight)."""
         device = table.weight.device
-        return device != self.stem_input_ids.device and device.type != "meta"
+        return device != self._device and device.type != "meta"
 
     def distinct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's distinct ids on the host and, on the ids' device, where each position's row is among them.
@@ -1301,7 +1314,8 @@ class StemModel(StemPreTrainedModel):
         """Whether decoder layers are compiled one by one (`layer.compile()`, or `torch.compile` of each, as
         accelerate's regional compilation does): their lookups are traced, and rows fetched before them would go
         unread."""
-        return any(getattr(layer, "_compiled_call_impl", None) is not None or hasattr(layer, "_orig_mod")
+        # `_modules`, not `hasattr`: a miss raises and catches an AttributeError per layer, at every forward.
+        return any(getattr(layer, "_compiled_call_impl", None) is not None or "_orig_mod" in layer._modules
                    for layer in self.layers)  # fmt: skip
 
     def stem_rows(
@@ -1333,7 +1347,7 @@ class StemModel(StemPreTrainedModel):
             if layers:
                 outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
-        if self.row_source is None and not self._layers_compiled():
+        if self.row_source is None and not torch.compiler.is_compiling() and not self._layers_compiled():
             stem_rows.start()  # the ids are known before any layer runs
         if outside:
             stem_rows.outside_rows.update(outside)

@@ -13,9 +13,17 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    CompileConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
-from stem_hf import modeling_stem
+from stem_hf import StemConfig, StemForCausalLM, modeling_stem
+from stem_hf.compat_stem import CACHE_ARG
 from stem_hf.host_syncs import HostSyncCounter, train_step_syncs
 from tests.conftest import TINY, benchmark_script, parse_benchmark_runs, sensitive_model, tiny_model
 
@@ -103,6 +111,55 @@ def test_a_decoding_step_makes_no_host_sync_and_no_more_than_dense(fused):
     assert len(stem) == len(llama) == 4  # the prefill, then 3 decoding steps
     assert stem[1:] == [0, 0, 0], stem
     assert stem == llama, (stem, llama)
+
+
+def _step_python_work(model, ids: torch.Tensor) -> tuple[int, int, int]:
+    """What one cached decoding step costs the thread that launches its kernels in Python: the frames an exception
+    passed through (a missed `hasattr` raises and catches one), config attribute reads (a transformers config's
+    `__getattribute__` is slow) and Python calls."""
+    exceptions, reads, calls = Counter(), Counter(), Counter()
+    read = PreTrainedConfig.__getattribute__
+
+    def counted(config, name):
+        reads["config"] += 1
+        return read(config, name)
+
+    def trace(frame, event, arg):
+        (exceptions if event == "exception" else calls)[event] += 1
+        return trace
+
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache, step = getattr(out, CACHE_ARG), out.logits[:, -1:].argmax(-1)
+        PreTrainedConfig.__getattribute__ = counted
+        sys.settrace(trace)
+        try:
+            model(step, **{CACHE_ARG: cache}, use_cache=True)
+        finally:
+            sys.settrace(None)
+            PreTrainedConfig.__getattribute__ = read
+    return exceptions["exception"], reads["config"], calls["call"]
+
+
+def test_a_decoding_step_adds_to_its_launching_threads_python_work_per_stem_layer_only_the_lookup():
+    """A decoding step on a GPU waits on the thread that launches its kernels: what each STEM layer adds to that
+    thread's Python work over a Llama layer of the same shape is a budget (the lookup's checks and its call), with no
+    exception raised and no config read per layer."""
+    ids = _ids(3, (1, 6))
+    work = {}
+    for layers in (4, 8):
+        config = {**TINY, "num_hidden_layers": layers}
+        torch.manual_seed(0)
+        work["stem", layers] = _step_python_work(StemForCausalLM(StemConfig(**config, stem_layers="full")).eval(), ids)
+        work["llama", layers] = _step_python_work(LlamaForCausalLM(LlamaConfig(**config)).eval(), ids)
+    more = [
+        [(stem - llama) for stem, llama in zip(work["stem", layers], work["llama", layers], strict=True)]
+        for layers in (4, 8)
+    ]
+    exceptions, reads, calls = ((deep - shallow) / 4 for shallow, deep in zip(*more, strict=True))
+    assert more[0][0] <= 0 and exceptions <= 0, work
+    assert reads == 0, work
+    assert calls <= 20, work  # per STEM layer; 15 under transformers 5.24, 18 under 5.18 and 5.23
 
 
 def _syncs_per_train_step(model, batches: list[torch.Tensor], optimizer) -> tuple[list[int], Counter]:

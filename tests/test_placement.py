@@ -722,7 +722,7 @@ def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_o
 
 
 def test_the_host_decode_benchmark_counts_each_ways_gathers_by_thread(monkeypatch, tmp_path):
-    """`benchmarks/bench_host_decode.py` at a few tokens: the three ways generate resident's tokens, a decoding step's
+    """`benchmarks/bench_host_decode.py` at a few tokens: the host ways generate resident's tokens, a decoding step's
     gathers run on the forward's thread by default and on the worker when pipelined (one per STEM layer), and the
     host path is routed only inside its own runs."""
     import argparse
@@ -741,6 +741,9 @@ def test_the_host_decode_benchmark_counts_each_ways_gathers_by_thread(monkeypatc
         assert (row["host"]["gathers_forward_thread"], row["host"]["gathers_worker"]) == (stem_layers, 0)
         pipelined = row["host_pipelined"]
         assert (pipelined["gathers_forward_thread"], pipelined["gathers_worker"]) == (0, stem_layers)
-        assert all(row[way]["same_tokens_as_resident"] and row[way]["step_ms"] > 0 for way in bench.WAYS)
+        assert all(row[way]["same_tokens_as_resident"] for way in ("host", "host_pipelined"))
+        assert all(row[way]["step_ms"] > 0 and row[way]["python_calls"] > 0 for way in bench.WAYS)
+        assert row["dense"]["gathers_forward_thread"] == row["dense"]["gathers_worker"] == 0
+        assert row["resident_vs_dense"] == pytest.approx(row["dense"]["step_ms"] / row["resident"]["step_ms"], rel=1e-2)
         assert row["host_vs_resident"] == pytest.approx(row["resident"]["step_ms"] / row["host"]["step_ms"], rel=1e-2)
     assert StemTableRows.host_served is unrouted and modeling_stem.HOST_AT_ONCE_MAX_IDS == at_once  # as before
