@@ -651,7 +651,7 @@ class StemTableRows:
         self._served: set[int] = set()
         self._layers: list[int] | None = None
         self._at_once: bool | None = None
-        self._fusing: bool | None = None  # whether this forward's ids fuse (`lookup_fuses`), once asked
+        self._fusing = lookup_fuses(tables.config, stem_input_ids)  # this forward's part of `fuses`
         self._device = stem_input_ids.device
         self.outside_rows: dict[int, torch.Tensor] = {}
 
@@ -668,7 +668,7 @@ class StemTableRows:
             return _rows_outside_graph_of(self, layer_idx)
         if not self.host_served(table):
             settle(weight)
-            if self.distinct_grad(table):
+            if torch.is_grad_enabled() and self.distinct_grad(table):  # first: a decoding step's one call
                 unique, inverse = self.distinct_here()
                 return StemDistinctRowsGrad.apply(weight, self.stem_input_ids, unique, inverse)
             return table(self.stem_input_ids)
@@ -679,7 +679,7 @@ class StemTableRows:
         kernel (`fuses`), what to gather from: the table and the ids (with the distinct ids where the table's gradient
         is sparse over them), or the rows moved from host memory and each position's place among them."""
         table = self.tables[str(layer_idx)]
-        if not self.fuses(table) or table.weight.shape[0] == 0:
+        if not (self._fusing and self.fuses(table)) or table.weight.shape[0] == 0:  # `_fusing` first: no call
             return self.outside_rows[layer_idx] if layer_idx in self.outside_rows else self._rows(layer_idx, table)
         if not self.host_served(table):
             settle(table.weight)
@@ -692,10 +692,8 @@ class StemTableRows:
         """Whether the layer gathers `table`'s rows inside its own kernel (`fused_gated_lookup`), as
         `config.fused_table_lookup` says (None: where the ids are on a device `fuses_lookups_on`, for forwards of at
         least `FUSED_LOOKUP_MIN_TOKENS` tokens): a plain table, in inference and eager training (a compiled train step
-        takes the model's own graph). The forward's part of that is decided once, first: a decoding step asks it per
-        STEM layer, and a step's time on a GPU is mostly the launching thread's."""
-        if self._fusing is None:
-            self._fusing = lookup_fuses(self.tables.config, self.stem_input_ids)
+        takes the model's own graph). The forward's part of that is decided once, as the rows are made: a decoding
+        step asks it per STEM layer, and a step's time on a GPU is mostly the launching thread's."""
         if not self._fusing or type(table) is not StemTable:
             return False
         if torch.is_grad_enabled() and torch.compiler.is_compiling():
