@@ -8,7 +8,9 @@ with its tables three ways, timed in turn round by round (`bench_gpu.paired_deco
 - `host`: the model's own host path as it serves a decoding step (at most `HOST_AT_ONCE_MAX_IDS` distinct ids, in
   inference: every table's rows gathered at once, by the forward's own thread, one copy);
 - `host_pipelined`: the same path with every forward pipelined (`HOST_AT_ONCE_MAX_IDS` = 0: the worker thread
-  fetches each layer's rows ahead of the layers), as every forward was served before.
+  fetches each layer's rows ahead of the layers), as every forward was served before;
+- `engine`: `StemOffloadEngine` with a row cache of `--cache-tokens` tokens on the device (`engine_vs_host`: the
+  plain host path's step time over the engine's), warm after the first run.
 
 Per decoding step it also counts the operators the forward's own thread dispatches, its Python calls, and the gathers
 each thread runs.
@@ -17,7 +19,7 @@ missing is the copy to an accelerator, a side-stream copy of the gathered rows);
 is small enough that a step is launch-bound, as on a GPU; one intra-op thread leaves this 2-core machine's second core
 to the worker thread, as a GPU host's many cores do. On CUDA the tables go to host memory.
 
-    python benchmarks/bench_host_decode.py --threads 1   # benchmarks/results/bench_host_decode.json: a minute here
+    python benchmarks/bench_host_decode.py --threads 1 --repeats 15   # bench_host_decode.json: 3 minutes here
     python benchmarks/bench_host_decode.py --device cuda --shape 0.75b --dtype bfloat16 \
         --out benchmarks/results/bench_host_decode_gpu.json
 """
@@ -34,9 +36,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stem_hf import StemConfig, StemForCausalLM, modeling_stem
+from stem_hf import StemConfig, StemForCausalLM, modeling_stem, offload
 from stem_hf.cli_args import positive_int, positive_ints
 from stem_hf.compat_stem import CACHE_ARG
+from stem_hf.offload import StemOffloadEngine
 
 
 class Dispatched(TorchDispatchMode):
@@ -67,10 +70,15 @@ def build(args, device: torch.device, dense: bool = False) -> StemForCausalLM | 
 
 
 @contextmanager
-def tables(models: dict[str, StemForCausalLM], way: str):
-    """The model whose tables are served as `way` says, for the block: `resident`, or by the host path (`host`;
-    `host_pipelined`, every forward fetched by the worker thread). On a CPU one model, routed through the host path with
-    the ids on the CPU; on an accelerator a second model of the same weights whose tables are in host memory."""
+def tables(models: dict, way: str):
+    """The model whose tables are served as `way` says, for the block: `dense` (no tables), `resident`, by the host path
+    (`host`; `host_pipelined`, every forward fetched by the worker thread), or by the offload engine (`engine`). On a
+    CPU one STEM model, routed through the host path with the ids on the CPU; on an accelerator a second model of the
+    same weights whose tables are in host memory, which the engine serves too."""
+    if way == "engine":
+        with models["engine"].attach():
+            yield models["engine"].model
+        return
     model = models[way] if way in ("dense", "resident") else models["host"]
     saved = modeling_stem.HOST_AT_ONCE_MAX_IDS, modeling_stem.StemTableRows.host_served
     if way == "host_pipelined":
@@ -90,21 +98,22 @@ def decode_with(models: dict, way: str, prompt: torch.Tensor, **timing) -> tuple
 
 @contextmanager
 def gathers_by_thread():
-    """Yields a dict that counts `gather_rows` calls of the host path by thread: the forward's own (`forward`), the
-    host-row worker's (`worker`)."""
+    """Yields a dict that counts `gather_rows` calls of the host path and the engine by thread: the forward's own
+    (`forward`), a worker's (`worker`)."""
     counts = {"forward": 0, "worker": 0}
     gather = modeling_stem.gather_rows
+    assert offload.gather_rows is gather  # the engine's, by the name it imported
     forward_thread = threading.current_thread()
 
     def counted(*args, **kwargs):
         counts["forward" if threading.current_thread() is forward_thread else "worker"] += 1
         return gather(*args, **kwargs)
 
-    modeling_stem.gather_rows = counted
+    modeling_stem.gather_rows = offload.gather_rows = counted
     try:
         yield counts
     finally:
-        modeling_stem.gather_rows = gather
+        modeling_stem.gather_rows = offload.gather_rows = gather
 
 
 @contextmanager
@@ -143,7 +152,7 @@ def one_step(models: dict, way: str, prompt: torch.Tensor) -> dict:
     }
 
 
-WAYS = ("dense", "resident", "host", "host_pipelined")
+WAYS = ("dense", "resident", "host", "host_pipelined", "engine")
 
 
 def run(args, device: torch.device, report: dict) -> None:
@@ -154,6 +163,7 @@ def run(args, device: torch.device, report: dict) -> None:
         models["host"] = build(args, device)
         models["host"].config.keep_tables_on_cpu = True
         models["host"].model.stem_tables.to("cpu")
+    models["engine"] = StemOffloadEngine(models["host"], cache_tokens=args.cache_tokens, device=device)
     timing = dict(new=args.new_tokens, device=device)
     for batch in tqdm(args.batches, desc="host decode"):
         prompt = token_ids("zipf", (batch, args.prompt_len), VOCAB[args.shape], device, seed=batch)
@@ -164,12 +174,14 @@ def run(args, device: torch.device, report: dict) -> None:
             row[way] = {"step_ms": round(step_s * 1e3, 3), **one_step(models, way, prompt)}
             if way != "dense":  # another model's tokens
                 row[way]["same_tokens_as_resident"] = bool(torch.equal(tokens, runs["resident"][1]))
-        dense, resident, host, pipelined = (runs[way][0] for way in WAYS)
+        dense, resident, host, pipelined, engine = (runs[way][0] for way in WAYS)
         row["resident_vs_dense"] = round(dense / resident, 3)
         row["host_vs_dense"] = round(dense / host, 3)
         row["host_vs_resident"] = round(resident / host, 3)
         row["host_pipelined_vs_resident"] = round(resident / pipelined, 3)
         row["host_over_host_pipelined"] = round(pipelined / host, 3)
+        row["engine_vs_resident"] = round(resident / engine, 3)
+        row["engine_vs_host"] = round(host / engine, 3)
         report[f"batch_{batch}"] = row
         save({**report, "complete": False}, args.out)  # what a run stopped midway measured stays
     report["complete"] = True
@@ -186,6 +198,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--cache-tokens", type=positive_int, default=4096, help="the engine's row cache")
     parser.add_argument("--threads", type=positive_int, help="torch's intra-op threads (default: torch's)")
     parser.add_argument("--out", default="benchmarks/results/bench_host_decode.json")
     args = parser.parse_args()
@@ -203,6 +216,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "host_at_once_max_ids": modeling_stem.HOST_AT_ONCE_MAX_IDS,
+        "engine_cache_tokens": args.cache_tokens,
     }
     run(args, device, report)
     print(report)

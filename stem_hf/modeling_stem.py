@@ -775,12 +775,12 @@ class StemTableRows:
         """Starts fetching the host tables' rows before the layers run (the ids are known before any compute): every
         table's at once (`at_once`), or the first STEM layer's and the `HOST_ROWS_AHEAD` after it on the worker, so
         the embedding and the dense layers before the first STEM layer overlap them. Nothing under compile."""
-        if torch.compiler.is_compiling() or not self._pipelined_layers():
+        if torch.compiler.is_compiling() or not self.pipelined_layers():
             return
         if self.at_once():
             self._fetch_at_once()
         else:
-            self._fetch_ahead(min(self._pipelined_layers()))
+            self._fetch_ahead(min(self.pipelined_layers()))
 
     def at_once(self) -> bool:
         """Whether the `pipelined` tables' rows are fetched at once, on the forward's thread, rather than layer by layer
@@ -790,7 +790,7 @@ class StemTableRows:
             self._at_once = not torch.is_grad_enabled() and len(self.distinct()[0]) <= HOST_AT_ONCE_MAX_IDS
         return self._at_once
 
-    def _pipelined_layers(self) -> list[int]:
+    def pipelined_layers(self) -> list[int]:
         """The host-table layers whose rows come before their ask (a freed table raises when its layer asks). Asked
         outside compiled code only, where `pipelined` holds for the whole forward."""
         if self._layers is None:
@@ -802,7 +802,7 @@ class StemTableRows:
         """Starts the fetches of `layer_idx` and the `HOST_ROWS_AHEAD` host-table layers after it not yet started."""
         unique, _ = self.distinct()
         main = self._main_stream()  # read in this thread: the worker's current stream is another
-        for layer in layers_ahead(self._pipelined_layers(), layer_idx, (self._ahead, self._served)):
+        for layer in layers_ahead(self.pipelined_layers(), layer_idx, (self._ahead, self._served)):
             self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
 
     def _fetch_at_once(self) -> None:
@@ -810,7 +810,7 @@ class StemTableRows:
         of one pinned buffer per dtype, whose copy runs on the side stream (one copy, one event)."""
         unique, _ = self.distinct()
         groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
-        for layer in self._pipelined_layers():
+        for layer in self.pipelined_layers():
             if layer not in self._ahead and layer not in self._served:
                 weight = self.tables[str(layer)].weight
                 groups.setdefault((weight.dtype, weight.shape[1:]), []).append(layer)
@@ -1345,8 +1345,10 @@ class StemModel(StemPreTrainedModel):
             if layers:
                 outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
-        if self.row_source is None and not torch.compiler.is_compiling() and not self._layers_compiled():
-            stem_rows.start()  # the ids are known before any layer runs
+        if self.row_source is None and not torch.compiler.is_compiling():
+            # The ids are known before any layer runs; `_layers_compiled` asked last, of host tables only.
+            if stem_rows.pipelined_layers() and not self._layers_compiled():
+                stem_rows.start()
         if outside:
             stem_rows.outside_rows.update(outside)
         if num_soft:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.integrations.accelerate import expand_device_map
 
-from stem_hf import StemForCausalLM, checkpoint_stem, modeling_stem
+from stem_hf import StemForCausalLM, checkpoint_stem, modeling_stem, offload
 from stem_hf.checkpoint_stem import device_map_keeping_tables_on_cpu
 from stem_hf.compat_stem import CACHE_ARG
 from stem_hf.modeling_stem import StemTable, StemTableRows, copies_grad_behind
@@ -722,16 +722,18 @@ def test_a_fork_waits_for_the_writes_behind_and_the_child_gets_a_writer_of_its_o
 
 
 def test_the_host_decode_benchmark_counts_each_ways_gathers_by_thread(monkeypatch, tmp_path):
-    """`benchmarks/bench_host_decode.py` at a few tokens: the host ways generate resident's tokens, a decoding step's
-    gathers run on the forward's thread by default and on the worker when pipelined (one per STEM layer), and the
-    host path is routed only inside its own runs."""
+    """`benchmarks/bench_host_decode.py` at a few tokens: the host ways and the engine generate resident's tokens, a
+    decoding step's gathers run on the forward's thread by default and on the worker when pipelined (one per STEM
+    layer), the engine's on the forward's thread for its misses, and the host path is routed only inside its own
+    runs."""
     import argparse
 
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     bench = benchmark_script("bench_host_decode")
     args = argparse.Namespace(shape="tiny", layers=4, dtype="float32", batches=[1, 3], prompt_len=8, new_tokens=3,
-                              repeats=1, out=str(tmp_path / "decode.json"))  # fmt: skip
+                              repeats=1, cache_tokens=64, out=str(tmp_path / "decode.json"))  # fmt: skip
     report, unrouted, at_once = {}, StemTableRows.host_served, modeling_stem.HOST_AT_ONCE_MAX_IDS
+    gather = modeling_stem.gather_rows
     bench.run(args, torch.device("cpu"), report)
     assert report["complete"] and json.loads((tmp_path / "decode.json").read_text()) == report
     for batch in (1, 3):
@@ -741,9 +743,11 @@ def test_the_host_decode_benchmark_counts_each_ways_gathers_by_thread(monkeypatc
         assert (row["host"]["gathers_forward_thread"], row["host"]["gathers_worker"]) == (stem_layers, 0)
         pipelined = row["host_pipelined"]
         assert (pipelined["gathers_forward_thread"], pipelined["gathers_worker"]) == (0, stem_layers)
-        assert all(row[way]["same_tokens_as_resident"] for way in ("host", "host_pipelined"))
+        assert all(row[way]["same_tokens_as_resident"] for way in ("host", "host_pipelined", "engine"))
+        assert row["engine"]["gathers_forward_thread"] <= 1 and row["engine"]["gathers_worker"] == 0  # misses only
         assert all(row[way]["step_ms"] > 0 and row[way]["python_calls"] > 0 for way in bench.WAYS)
         assert row["dense"]["gathers_forward_thread"] == row["dense"]["gathers_worker"] == 0
         assert row["resident_vs_dense"] == pytest.approx(row["dense"]["step_ms"] / row["resident"]["step_ms"], rel=1e-2)
         assert row["host_vs_resident"] == pytest.approx(row["resident"]["step_ms"] / row["host"]["step_ms"], rel=1e-2)
     assert StemTableRows.host_served is unrouted and modeling_stem.HOST_AT_ONCE_MAX_IDS == at_once  # as before
+    assert offload.gather_rows is modeling_stem.gather_rows is gather
