@@ -398,6 +398,7 @@ class StemOffloadedRows:
 
     def __init__(self, engine: "StemOffloadEngine", rows, scales, inverse: torch.Tensor, ready):
         self.engine, self.rows, self.scales, self.inverse, self.ready = engine, rows, scales, inverse, ready
+        self.fusing = lookup_fuses(engine.model.config, inverse)  # once per forward: config reads are slow
 
     def distinct(self, layer_idx: int) -> torch.Tensor:
         """STEM layer `layer_idx`'s rows of the forward's distinct ids (dequantized, for an int8 store)."""
@@ -411,7 +412,7 @@ class StemOffloadedRows:
         return self.distinct(layer_idx)[self.inverse]
 
     def lookup(self, layer_idx: int) -> torch.Tensor | StemLookup:
-        if not lookup_fuses(self.engine.model.config, self.inverse):
+        if not self.fusing:
             return self[layer_idx]
         return StemLookup(self.distinct(layer_idx), self.inverse)
 
