@@ -1,7 +1,7 @@
 """What STEM, and serving its tables from host memory, costs a decoding step, where the step waits on the thread that
 launches its kernels (eager decoding on a GPU: each of `bench_gpu.py`'s decode steps is mostly launches). Greedy
 decode of `--new-tokens` after a `--prompt-len` Zipf prompt per batch, a dense Llama and STEM-1/2 of the same shape
-with its tables three ways, timed in turn round by round (`bench_gpu.paired_decode`):
+with its tables four ways, timed in turn round by round (`bench_gpu.paired_decode`):
 
 - `dense`: `LlamaForCausalLM`, the baseline (`resident_vs_dense`, `host_vs_dense`: its step time over theirs);
 - `resident`: the tables on the device of the ids;
@@ -125,11 +125,12 @@ def python_calls():
         if event == "call":
             counts["calls"] += 1
 
+    profiler = sys.getprofile()
     sys.setprofile(count)
     try:
         yield counts
     finally:
-        sys.setprofile(None)
+        sys.setprofile(profiler)
 
 
 @torch.no_grad()

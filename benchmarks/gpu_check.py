@@ -21,9 +21,10 @@ With one:
 4. `benchmarks/bench_gpu.py` in a subprocess, with what is left of the budget: STEM against a dense Llama at a 0.75B
    shape (prefill, train step with its optimizer, decode; resident, host and engine tables), each ratio beside its
    FLOP prediction (`docs/gpu.md`).
-5. `benchmarks/bench_host_decode.py` in a subprocess, if time is left: greedy decoding steps of the 0.75B shape with
-   resident tables, host tables served as decoding steps are (every table's rows at once, by the forward's thread)
-   and host tables with every forward pipelined (the worker thread fetching each layer's rows ahead).
+5. `benchmarks/bench_host_decode.py` in a subprocess, if time is left: greedy decoding steps of the 0.75B shape, a
+   dense Llama and STEM-1/2 with resident tables, host tables served as decoding steps are (every table's rows at
+   once, by the forward's thread), host tables with every forward pipelined (the worker thread fetching each layer's
+   rows ahead) and the offload engine with a row cache, in turn.
 6. `benchmarks/profile_gpu.py` in a subprocess, if time is left: prefill and a train step of dense and STEM profiled
    beside each other (what STEM saves in matrix products, `bounds`), and the host-table and engine prefills.
 7. `benchmarks/bench_host_gather.py` in a subprocess, if time is left: the host side of the engine's gather at the
@@ -506,7 +507,7 @@ def bench_gpu(deadline: float, quick: bool, bench: dict) -> None:
     run_script("bench_gpu", quick_args if quick else [], deadline, bench)
 
 
-# The host_decode part: decoding steps of the 0.75B shape with host tables, at once against pipelined.
+# The host_decode part: decoding steps of the 0.75B shape, dense against STEM, resident, host tables and the engine.
 HOST_DECODE = ["--device", "cuda", "--shape", "0.75b", "--dtype", "bfloat16", "--repeats", "3"]
 
 # What the profile part profiles: prefill and a train step of dense and STEM beside each other (its `bounds`), and the

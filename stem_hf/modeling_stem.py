@@ -651,7 +651,9 @@ class StemTableRows:
         self._served: set[int] = set()
         self._layers: list[int] | None = None
         self._at_once: bool | None = None
-        self._fusing = lookup_fuses(tables.config, stem_input_ids)  # this forward's part of `fuses`
+        # This forward's part of `fuses`. A compiled train step never fuses: asked, its token count would be a guard.
+        compiled_training = torch.is_grad_enabled() and torch.compiler.is_compiling()
+        self._fusing = not compiled_training and lookup_fuses(tables.config, stem_input_ids)
         self._device = stem_input_ids.device
         self.outside_rows: dict[int, torch.Tensor] = {}
 
@@ -1312,8 +1314,10 @@ class StemModel(StemPreTrainedModel):
         """Whether decoder layers are compiled one by one (`layer.compile()`, or `torch.compile` of each, as
         accelerate's regional compilation does): their lookups are traced, and rows fetched before them would go
         unread."""
-        # `_modules`, not `hasattr`: a miss raises and catches an AttributeError per layer, at every forward.
+        # `_modules` first: a `hasattr` miss raises and catches an AttributeError. A wrapper (activation checkpointing,
+        # FSDP1) forwards attributes to a compiled layer inside it: asked by name.
         return any(getattr(layer, "_compiled_call_impl", None) is not None or "_orig_mod" in layer._modules
+                   or (type(layer) is not StemDecoderLayer and hasattr(layer, "_orig_mod"))
                    for layer in self.layers)  # fmt: skip
 
     def stem_rows(
