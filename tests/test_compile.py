@@ -152,7 +152,8 @@ def _step_python_work(model, ids: torch.Tensor) -> tuple[int, int, int]:
 def test_a_decoding_step_adds_to_its_launching_threads_python_work_per_stem_layer_only_the_lookup(engine):
     """A decoding step on a GPU waits on the thread that launches its kernels: what each STEM layer adds to that
     thread's Python work over a Llama layer of the same shape is a budget (the lookup's checks and its call), with no
-    exception raised and no config read per layer; served by the model's tables or by the offload engine."""
+    more exceptions raised and config attributes read than a Llama layer's; served by the model's tables or by the
+    offload engine."""
     ids = _ids(3, (1, 6))
     work = {}
     for layers in (4, 8):
