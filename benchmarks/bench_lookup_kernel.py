@@ -70,7 +70,10 @@ def compiled(fn: Callable, mode: str) -> Callable:
         return run
 
     def marked(*args: torch.Tensor):
-        rows_dynamic(*args)  # as the model's fused lookup marks them
+        # Marked as the model's fused lookup marks them, on aliases: a mark stays on the tensor it is put on, and the
+        # static mode's compile of these very tensors would take their first axis as symbolic too.
+        args = tuple(arg.detach() for arg in args)
+        rows_dynamic(*args)
         return run(*args)
 
     return marked

@@ -366,15 +366,17 @@ def copies_grad_behind(weight: torch.Tensor) -> bool:
     the model's own): a term of a loss on the weight itself would be added to it at once. Not where autograd adds it
     to another gradient at once (one already there: accumulation; another of this backward still crossing: the table
     used twice), where the weight has a gradient hook, where the backward builds a graph of its own (`create_graph`:
-    autograd clones the gradient) or checks each output (anomaly mode), or under torch.distributed, whose wrappers hook
-    a gradient's accumulation where no hook shows on the weight."""
+    autograd clones the gradient), checks each output (anomaly mode) or runs under a torch dispatch mode (a profiler's,
+    a counter's: autograd clones the gradient there too, reading it before it has arrived), or under torch.distributed,
+    whose wrappers hook a gradient's accumulation where no hook shows on the weight."""
     if not weight.__dict__.get("stem_grad_copies_behind", False):
         return False
     hooked = weight._backward_hooks or weight._post_accumulate_grad_hooks
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     # The mark of a copy of this backward still crossing (a backward that raised never clears its own: it is stale)
     crossing = weight.__dict__.get("stem_grad_crossing") == torch._C._current_graph_task_id()
-    unusual = torch.is_grad_enabled() or torch.is_anomaly_enabled() or distributed
+    dispatched = torch._C._len_torch_dispatch_stack() > 0
+    unusual = torch.is_grad_enabled() or torch.is_anomaly_enabled() or dispatched or distributed
     return weight.grad is None and not crossing and not hooked and not unusual
 
 

@@ -206,6 +206,39 @@ def _compiled_adamw_rows() -> Callable[..., None]:
     return _COMPILED_ADAMW_ROWS
 
 
+def adamw_dense(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, settings: torch.Tensor
+) -> None:
+    """`RowSparseAdamW`'s AdamW update of one dense parameter (float32 moments and math), in place, the operations of
+    its foreach pass in their order, as one function for `torch.compile` to fuse: each tensor read and written once,
+    where the foreach pass makes float32 copies of a lower-precision parameter and its gradient and reads and writes
+    the moments in a kernel per operation. `settings` (`dense_settings`): the scalars the foreach pass takes, a tensor
+    on the parameter's device, as `adamw_rows` takes its own (a new learning rate is no recompile, and no host sync)."""
+    decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt = settings.unbind()
+    grad = grad.to(STATE_DTYPE)
+    weight = param.to(STATE_DTYPE) * decay  # no decay: a factor of exactly 1
+    exp_avg.lerp_(grad, one_minus_beta1)
+    exp_avg_sq.mul_(beta2).add_(grad * grad * one_minus_beta2)
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    param.copy_(weight + step_size * exp_avg / denom)
+
+
+def dense_settings(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, count: float) -> list[float]:
+    """`adamw_dense`'s scalars at step `count`, computed in double precision as the foreach pass computes them."""
+    step_size, bias_correction2_sqrt = -lr / (1 - beta1**count), (1 - beta2**count) ** 0.5
+    return [1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, step_size, bias_correction2_sqrt]
+
+
+_COMPILED_ADAMW_DENSE: Callable[..., None] | None = None
+
+
+def _compiled_adamw_dense() -> Callable[..., None]:
+    global _COMPILED_ADAMW_DENSE
+    if _COMPILED_ADAMW_DENSE is None:  # one compile per rank and dtype (dynamic shapes)
+        _COMPILED_ADAMW_DENSE = torch.compile(adamw_dense, dynamic=True, fullgraph=True)
+    return _COMPILED_ADAMW_DENSE
+
+
 def param_groups(
     model: nn.Module,
     lr: float,
@@ -242,10 +275,20 @@ def param_groups(
 
 
 def compiles_rows_by_default(device: torch.device) -> bool:
-    """`RowSparseAdamW(compiled_rows=None)`: tables on a CUDA device that Triton supports (compute capability 7.0 and
-    up), where Triton is installed, get `adamw_rows` compiled (measured faster than the eager pass:
-    `benchmarks/results/bench_gpu_train_compile_h100.json`): the devices `modeling_stem.fuses_lookups_on` names."""
+    """`RowSparseAdamW(compiled_rows=None)` and `(compiled_dense=None)`: on a CUDA device that Triton supports
+    (compute capability 7.0 and up), where Triton is installed, tables get `adamw_rows` compiled (measured faster than
+    the eager pass: `benchmarks/results/bench_gpu_train_compile_h100.json`) and dense parameters `adamw_dense` (one
+    pass over each tensor: `benchmarks/bench_dense_step.py`): the devices `modeling_stem.fuses_lookups_on` names."""
     return fuses_lookups_on(device)
+
+
+def _device_settings(values: list[float], device: torch.device) -> torch.Tensor:
+    """`values` as a float32 tensor on `device`, for a compiled update to take as an input (a new learning rate is no
+    recompile): on CUDA copied from pinned memory, since a pageable copy would wait for the device (a host sync)."""
+    settings = torch.tensor(values, dtype=STATE_DTYPE)
+    if device.type == "cuda":
+        settings = settings.pin_memory()
+    return settings.to(device, non_blocking=True)
 
 
 def _in_host_memory(param: torch.Tensor) -> bool:
@@ -281,7 +324,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
     shapes: one graph for every table and row count above one, per device and dtype), which fuses the eager pass's
     kernels; tables in host memory keep the host's paths (the fused per-row kernel is faster there). The default,
     None, compiles them on CUDA devices where Triton is installed (`compiles_rows_by_default`); False keeps the eager
-    pass everywhere.
+    pass everywhere. `compiled_dense` likewise for the dense groups: each parameter updated by `adamw_dense` under
+    `torch.compile` (one graph per rank and dtype), one pass over the parameter, its gradient and moments where the
+    foreach update makes a pass per operation and float32 copies of lower-precision parameters.
 
     `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
     `stem_reads_wait` by `StemTables.train()`; others are written in step) are written by a worker thread, and `step`
@@ -301,14 +346,17 @@ class RowSparseAdamW(torch.optim.Optimizer):
         row_sparse: bool = False,
         write_behind: bool = False,
         compiled_rows: bool | None = None,
+        compiled_dense: bool | None = None,
     ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"RowSparseAdamW: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
-        if compiled_rows is not None and not isinstance(compiled_rows, bool):
-            raise ValueError(f"RowSparseAdamW: compiled_rows is None (the default), True or False: {compiled_rows!r}")
+        for name, value in (("compiled_rows", compiled_rows), ("compiled_dense", compiled_dense)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"RowSparseAdamW: {name} is None (the default), True or False: {value!r}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "row_sparse": row_sparse}
         self.write_behind = write_behind
         self.compiled_rows = compiled_rows
+        self.compiled_dense = compiled_dense
         self._writes: list[tuple[torch.Tensor, TableWrite]] = []
         self._row_views: dict[torch.Tensor, dict] = {}
         self._rows_bound: dict[torch.Tensor, int] = {}  # per table on an accelerator: rows with moments, at most
@@ -358,13 +406,14 @@ class RowSparseAdamW(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         self.settle()  # a copy or pickle takes the written rows' state, never a half-written one
-        return {**super().__getstate__(), "compiled_rows": self.compiled_rows}
+        return {**super().__getstate__(), "compiled_rows": self.compiled_rows, "compiled_dense": self.compiled_dense}
 
     def __setstate__(self, state: dict) -> None:
         # torch's Optimizer pickles and copies defaults, state and groups only: a copy writes in step, with no writes.
         super().__setstate__(state)
         self.__dict__.setdefault("write_behind", False)
         self.__dict__.setdefault("compiled_rows", None)
+        self.__dict__.setdefault("compiled_dense", None)
         self._writes = []
         self._row_views = {}
         self._rows_bound = {}
@@ -376,7 +425,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
     def _dense_step(self, params: list[torch.Tensor], group: dict) -> None:
         """torch's foreach AdamW update (`torch.optim.adam._multi_tensor_adam` without amsgrad, its operations in its
         order), on fp32 copies of lower-precision parameters: one kernel per operation for each batch of parameters of
-        one device and dtype, `DENSE_STEP_BYTES` at most."""
+        one device and dtype, `DENSE_STEP_BYTES` at most. Where `compiled_dense` says (on CUDA with Triton, by
+        default), the same operations as one compiled function per parameter (`adamw_dense`)."""
         batches: list[list[torch.Tensor]] = []  # one device and dtype each, within DENSE_STEP_BYTES (or one parameter)
         current, filled = {}, {}  # per (device, dtype): its open batch, and the bytes in it
         for param in params:
@@ -397,6 +447,20 @@ class RowSparseAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=STATE_DTYPE)
             steps = [state["step"] for state in states]  # host tensors (as made above): reading them syncs nothing
             torch._foreach_add_(steps, 1)
+            counts = torch.stack(steps).tolist()
+            device = same[0].device
+            if compiles_rows_by_default(device) if self.compiled_dense is None else self.compiled_dense:
+                update, settings = _compiled_adamw_dense(), {}
+                for param, state, count in zip(same, states, counts, strict=True):
+                    if count not in settings:  # the group's parameters step together: one copy to the device
+                        settings[count] = _device_settings(
+                            dense_settings(lr, beta1, beta2, eps, weight_decay, count), device
+                        )
+                    # Detached: dynamo gives a parameter static shapes, a compile per shape; a plain tensor takes
+                    # dynamic ones. It shares the parameter's memory, which the update writes.
+                    inputs = param.detach(), param.grad.detach(), state["exp_avg"], state["exp_avg_sq"]
+                    update(*inputs, settings[count])
+                continue
             weights = [p.to(STATE_DTYPE) for p in same]
             grads = [p.grad.to(STATE_DTYPE) for p in same]
             exp_avgs = [state["exp_avg"] for state in states]
@@ -406,7 +470,6 @@ class RowSparseAdamW(torch.optim.Optimizer):
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-            counts = torch.stack(steps).tolist()
             step_size = [(lr / (1 - beta1**count)) * -1 for count in counts]
             bias_correction2_sqrt = [(1 - beta2**count) ** 0.5 for count in counts]
             denom = torch._foreach_sqrt(exp_avg_sqs)
@@ -528,10 +591,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
         seen.add_(new.sum())
         moved = torch.linalg.vector_norm(values, 0, dim=1) > 0 if sparse else None
         beta1, beta2 = hyper["betas"]
-        settings = torch.tensor([hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]], dtype=STATE_DTYPE)
-        if param.device.type == "cuda":  # from pinned memory: a pageable copy would wait for the device (a sync)
-            settings = settings.pin_memory()
-        settings = settings.to(param.device, non_blocking=True)  # a tensor input: a new rate is no recompile
+        settings = _device_settings([hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]], param.device)
         compiled = compiles_rows_by_default(param.device) if self.compiled_rows is None else self.compiled_rows
         update = _compiled_adamw_rows() if compiled else adamw_rows
         # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
@@ -1082,7 +1142,9 @@ __all__ = [
     "StemTrainer",
     "TableWrite",
     "adam_state_bytes",
+    "adamw_dense",
     "adamw_rows",
+    "dense_settings",
     "build_optimizer",
     "check_paper_arguments",
     "check_recipe",

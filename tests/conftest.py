@@ -13,7 +13,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from stem_hf import StemConfig, StemForCausalLM
+from stem_hf import StemConfig, StemForCausalLM, training
 
 TINY = dict(
     vocab_size=96,
@@ -275,8 +275,6 @@ def _seed():
 def row_workers(monkeypatch):
     """Host rows shared out to two serial row workers (a fresh pool, and a fresh table writer) from two rows a step,
     so that tiny models take that path; torch's thread count is put back after."""
-    from stem_hf import training
-
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     monkeypatch.setattr(training, "_ROW_WORKERS", None)
@@ -287,3 +285,27 @@ def row_workers(monkeypatch):
         if made is not None:
             made.shutdown()
     torch.set_num_threads(threads)
+
+
+def dense_adamw_steps(compiled_dense: bool | None, dtype: torch.dtype, steps: int = 4, device: str = "cpu"):
+    """`steps` steps of `RowSparseAdamW` over a matrix and a vector of `dtype` on `device` (decayed and not, a
+    scheduler moving the learning rate) and of torch's float32 AdamW over float32 copies; returns both parameter lists,
+    our optimizer and theirs."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(shape).to(device, dtype)) for shape in ((48, 40), (40,))]
+    theirs = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
+    groups = [{"params": [ours[0]], "weight_decay": 0.1}, {"params": [ours[1]], "weight_decay": 0.0}]
+    optimizer = training.RowSparseAdamW(groups, lr=1e-2, compiled_dense=compiled_dense)
+    reference = torch.optim.AdamW(
+        [{"params": [theirs[0]], "weight_decay": 0.1}, {"params": [theirs[1]], "weight_decay": 0.0}], lr=1e-2
+    )
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (step + 1)) for o in (optimizer, reference)]
+    for step in range(steps):
+        for params in (ours, theirs):
+            for i, param in enumerate(params):
+                grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * step + i)).to(device)
+                param.grad = grad.to(param.dtype)
+        for o, schedule in zip((optimizer, reference), schedules, strict=True):
+            o.step()
+            schedule.step()
+    return ours, theirs, optimizer, reference

@@ -702,15 +702,20 @@ def test_the_gpu_benchmark_runs_every_part_on_cpu_and_puts_each_ratio_beside_its
             expected = timed["resident_ms"] / timed["other_lookup_ms"]
             assert timed["fused_over_unfused"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
     assert report["train"]["dense_compiled_adamw_ms"] > 0 and report["train"]["dense_compiled_row_sparse_adamw_ms"] > 0
+    foreach = report["train"]["dense_row_sparse_adamw_foreach_ms"]  # with --compile: the dense update compiled, and not
     for spec in ("1/2", "full"):
         row = report["train"][spec]
         assert row["predicted_speedup"] > 1 and row["adamw"]["ms"] > 0 and row["row_sparse_adamw"]["ms"] > 0
+        expected = foreach / row["row_sparse_adamw"]["ms"]  # every update eager, against dense's foreach pass
+        assert row["row_sparse_adamw"]["speedup"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
         compiled = row["compiled_adamw"]
         expected = report["train"]["dense_compiled_adamw_ms"] / compiled["ms"]
         assert compiled["speedup"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
         rows = row["row_sparse_adamw_compiled_rows"]
         expected = report["train"]["dense_row_sparse_adamw_ms"] / rows["ms"]
         assert rows["speedup"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
+        expected = report["train"]["dense_adamw_ms"] / rows["ms"]
+        assert rows["vs_dense_adamw"] == pytest.approx(expected, rel=1e-2, abs=2e-3)
         assert rows["fused_lookup"] is False and rows["fused_over_unfused"] == pytest.approx(
             rows["ms"] / rows["other_lookup_ms"], rel=1e-2, abs=2e-3
         )  # the CPU's default does not fuse; the fused lookup trained the same step

@@ -13,7 +13,15 @@ import torch
 
 from stem_hf import StemForCausalLM
 from stem_hf.offload import StemOffloadEngine, offloaded
-from tests.conftest import _converted, _mapped_files, _opinionated, _texts, sensitive_model, tiny_model
+from tests.conftest import (
+    _converted,
+    _mapped_files,
+    _opinionated,
+    _texts,
+    dense_adamw_steps,
+    sensitive_model,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none visible")
 
@@ -619,6 +627,29 @@ def test_compiled_row_updates_of_resident_cuda_tables_match_eager_and_host_table
     for other in models[1:]:
         for a, b in zip(models[0].parameters(), other.parameters(), strict=True):
             _assert_close(b, a, FP32_TOL)
+
+
+def test_compiled_dense_updates_on_cuda_match_the_foreach_pass_and_torch_adamw(monkeypatch):
+    """Dense parameters on the GPU, float32 and bf16: `RowSparseAdamW`'s default (`compiled_dense=None`, one compiled
+    function per parameter on CUDA with Triton) against the foreach pass (`compiled_dense=False`) to a float32 or a
+    bf16 rounding, and float32 against torch's AdamW; the compiled function counted (two parameters, four steps)."""
+    from stem_hf import training
+
+    calls = []
+    compiled_fn = training._compiled_adamw_dense
+    monkeypatch.setattr(training, "_compiled_adamw_dense", lambda: calls.append(1) or compiled_fn())
+    for dtype in (torch.float32, torch.bfloat16):
+        calls.clear()
+        compiled, reference, _, _ = dense_adamw_steps(None, dtype, device="cuda")
+        assert len(calls) == (8 if training.compiles_rows_by_default(CUDA) else 0)
+        eager, _, _, _ = dense_adamw_steps(False, dtype, device="cuda")
+        ulp = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+        for param, expected in zip(compiled, eager, strict=True):
+            assert param.device.type == "cuda" and param.dtype == dtype
+            torch.testing.assert_close(param, expected, rtol=ulp, atol=1e-6)
+        if dtype == torch.float32:
+            for param, theirs in zip(compiled, reference, strict=True):
+                torch.testing.assert_close(param, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_clipping_and_the_row_update_of_resident_cuda_tables_make_no_host_sync():

@@ -17,6 +17,7 @@ from transformers.integrations.accelerate import expand_device_map
 from stem_hf import StemForCausalLM, checkpoint_stem, modeling_stem, offload
 from stem_hf.checkpoint_stem import device_map_keeping_tables_on_cpu
 from stem_hf.compat_stem import CACHE_ARG
+from stem_hf.host_syncs import HostSyncCounter
 from stem_hf.modeling_stem import StemTable, StemTableRows, copies_grad_behind
 from tests.conftest import benchmark_script, mapped_file, sensitive_model, tiny_model
 
@@ -137,6 +138,9 @@ def test_a_host_table_gradient_crosses_behind_the_backward_only_where_nothing_re
         del weight.stem_grad_crossing
         with torch.autograd.detect_anomaly():  # reads each node's outputs as they come
             assert not copies_grad_behind(weight)
+        with HostSyncCounter():  # a dispatch mode: autograd clones a sparse gradient under it
+            assert not copies_grad_behind(weight)
+        assert copies_grad_behind(weight)
         weight.grad = torch.zeros_like(weight)
         assert not copies_grad_behind(weight)
 

@@ -24,7 +24,7 @@ from stem_hf.training import (
     sparse_rows,
     use_sparse_table_grads,
 )
-from tests.conftest import _dataset, tiny_model
+from tests.conftest import _dataset, dense_adamw_steps, tiny_model
 
 
 def _stem(**overrides):
@@ -430,6 +430,53 @@ def test_compiled_rows_equal_torch_adamw_where_every_row_steps(monkeypatch):
     monkeypatch.setattr(training, "_in_host_memory", lambda param: False)  # CPU tables stand in for a GPU's
     table, reference, _, _ = _every_row_steps(compiled_rows=True, fused=False)
     torch.testing.assert_close(table.weight, reference.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_dense_gives_the_foreach_update_in_a_graph_per_rank_and_dtype(monkeypatch):
+    """`compiled_dense=True` (CPU parameters stand in for a GPU's, compiled by inductor's C++): per parameter one
+    compiled function, one graph per rank and dtype whatever the shapes, the learning rate or the weight decay; the
+    result is the foreach update's to rounding, and, on float32 parameters, torch's AdamW's."""
+    from torch._dynamo.utils import counters
+
+    from stem_hf import training
+
+    monkeypatch.setattr(training, "_COMPILED_ADAMW_DENSE", None)
+    counters.clear()
+    for dtype in (torch.float32, torch.bfloat16):
+        compiled, reference, optimizer, _ = dense_adamw_steps(True, dtype)
+        eager, _, eager_optimizer, _ = dense_adamw_steps(False, dtype)
+        for param, expected in zip(compiled, eager, strict=True):
+            assert param.dtype == dtype
+            ulp = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]  # a fused multiply-add may round otherwise
+            torch.testing.assert_close(param, expected, rtol=ulp, atol=1e-6)
+            state, expected_state = optimizer.state[param], eager_optimizer.state[expected]
+            assert float(state["step"]) == float(expected_state["step"]) == 4
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert state[key].dtype == torch.float32
+                torch.testing.assert_close(state[key], expected_state[key], rtol=1e-5, atol=1e-8, msg=key)
+        if dtype == torch.float32:
+            for param, theirs in zip(compiled, reference, strict=True):
+                torch.testing.assert_close(param, theirs, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])  # (matrix, vector) x (float32, bf16)
+    assert copy.deepcopy(RowSparseAdamW(compiled, compiled_dense=True)).compiled_dense  # a copy keeps it
+    with pytest.raises(ValueError, match="compiled_dense is None"):
+        RowSparseAdamW(compiled, compiled_dense=1)
+
+
+def test_compiled_dense_by_default_only_on_cuda_with_triton(monkeypatch):
+    """`compiled_dense=None` (the default) compiles dense updates where `compiles_rows_by_default` says (CUDA with
+    Triton); elsewhere, and with False, the foreach pass runs. The compiled function is counted."""
+    from stem_hf import training
+
+    calls = []
+    monkeypatch.setattr(
+        training, "_compiled_adamw_dense", lambda: lambda *a: calls.append(1) or training.adamw_dense(*a)
+    )
+    for on_cuda, compiled_dense, expected in ((True, None, 2), (False, None, 0), (True, False, 0), (False, True, 2)):
+        monkeypatch.setattr(training, "compiles_rows_by_default", lambda device, on_cuda=on_cuda: on_cuda)
+        calls.clear()
+        dense_adamw_steps(compiled_dense, torch.float32, steps=1)
+        assert len(calls) == expected, (on_cuda, compiled_dense)
 
 
 def test_compiled_rows_write_only_the_touched_rows(tmp_path, monkeypatch):
