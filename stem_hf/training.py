@@ -234,8 +234,9 @@ _COMPILED_ADAMW_DENSE: Callable[..., None] | None = None
 
 def _compiled_adamw_dense() -> Callable[..., None]:
     global _COMPILED_ADAMW_DENSE
-    if _COMPILED_ADAMW_DENSE is None:  # one compile per rank and dtype (dynamic shapes)
-        _COMPILED_ADAMW_DENSE = torch.compile(adamw_dense, dynamic=True, fullgraph=True)
+    if _COMPILED_ADAMW_DENSE is None:  # one compile per rank, dtype and device (dynamic shapes)
+        # Not fullgraph: past dynamo's recompile limit (a model of many ranks and dtypes) the rest run eager, not fail.
+        _COMPILED_ADAMW_DENSE = torch.compile(adamw_dense, dynamic=True)
     return _COMPILED_ADAMW_DENSE
 
 
