@@ -6,7 +6,8 @@ The dense parameters of a Llama of `--shape` (`bench_gpu.SHAPES`: embedding, att
 each with a random gradient, one copy per way, timed in turn round by round (`bench_gpu.paired_s`: a drift of the
 machine's speed hits every way alike), the compiles in the warm-up. Per dtype: each way's `ms`, `gb_per_s` (the bytes
 one pass over the parameter, its gradient and float32 moments reads and writes, over the step's time: what a
-memory-bound step can reach), `speedup_over_foreach`, and after the timed steps the largest difference of each way's
+memory-bound step can reach; for torch's AdamW on bf16, whose moments are bf16, float32 moments all the same),
+`speedup_over_foreach`, and after the timed steps the largest difference of each way's
 parameters from the foreach pass's (`max_diff_vs_foreach`; torch's AdamW keeps bf16 moments for bf16 parameters, so
 its bf16 figures differ by more than rounding). `RowSparseAdamW` keeps float32 moments and computes in float32 for
 every parameter; torch's AdamW in the parameter's dtype.

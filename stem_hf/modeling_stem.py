@@ -366,9 +366,9 @@ def copies_grad_behind(weight: torch.Tensor) -> bool:
     the model's own): a term of a loss on the weight itself would be added to it at once. Not where autograd adds it
     to another gradient at once (one already there: accumulation; another of this backward still crossing: the table
     used twice), where the weight has a gradient hook, where the backward builds a graph of its own (`create_graph`:
-    autograd clones the gradient), checks each output (anomaly mode) or runs under a torch dispatch mode (a profiler's,
-    a counter's: autograd clones the gradient there too, reading it before it has arrived), or under torch.distributed,
-    whose wrappers hook a gradient's accumulation where no hook shows on the weight."""
+    autograd clones the gradient), checks each output (anomaly mode) or runs under a torch dispatch mode
+    (`FlopCounterMode`, `HostSyncCounter`: autograd clones the gradient there too, reading it before it has arrived),
+    or under torch.distributed, whose wrappers hook a gradient's accumulation where no hook shows on the weight."""
     if not weight.__dict__.get("stem_grad_copies_behind", False):
         return False
     hooked = weight._backward_hooks or weight._post_accumulate_grad_hooks

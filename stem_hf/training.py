@@ -59,6 +59,10 @@ ROW_HEADROOM_STEPS = 4
 # Float32 bytes of dense parameters updated by one set of foreach operations: each operation is one kernel for many
 # parameters, and the fp32 copies and temporaries it makes scale with this much, not with the whole group.
 DENSE_STEP_BYTES = 1 << 28
+# Dense parameters of at least this many elements take the compiled update (`compiled_dense`); smaller ones (norms,
+# biases) the foreach pass, whose fixed dozen kernels serve them all, where a compiled call per parameter would cost the
+# host more than the device saves.
+COMPILED_DENSE_MIN_ELEMENTS = 1 << 16
 _TABLE_WRITER: ThreadPoolExecutor | None = None
 _ROW_WORKERS: tuple[ThreadPoolExecutor, int] | None = None
 _ROW_WORKERS_LOCK = threading.Lock()
@@ -220,7 +224,7 @@ def adamw_dense(
     exp_avg.lerp_(grad, one_minus_beta1)
     exp_avg_sq.mul_(beta2).add_(grad * grad * one_minus_beta2)
     denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-    param.copy_(weight + step_size * exp_avg / denom)
+    param.copy_(weight + step_size * (exp_avg / denom))
 
 
 def dense_settings(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, count: float) -> list[float]:
@@ -289,7 +293,9 @@ def _device_settings(values: list[float], device: torch.device) -> torch.Tensor:
     settings = torch.tensor(values, dtype=STATE_DTYPE)
     if device.type == "cuda":
         settings = settings.pin_memory()
-    return settings.to(device, non_blocking=True)
+    settings = settings.to(device, non_blocking=True)
+    torch._dynamo.mark_static(settings)  # its length a constant: no parameter axis of that size is taken for it
+    return settings
 
 
 def _in_host_memory(param: torch.Tensor) -> bool:
@@ -325,8 +331,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
     shapes: one graph for every table and row count above one, per device and dtype), which fuses the eager pass's
     kernels; tables in host memory keep the host's paths (the fused per-row kernel is faster there). The default,
     None, compiles them on CUDA devices where Triton is installed (`compiles_rows_by_default`); False keeps the eager
-    pass everywhere. `compiled_dense` likewise for the dense groups: each parameter updated by `adamw_dense` under
-    `torch.compile` (one graph per rank and dtype), one pass over the parameter, its gradient and moments where the
+    pass everywhere. `compiled_dense` likewise for the dense groups: each parameter of at least
+    `COMPILED_DENSE_MIN_ELEMENTS` updated by `adamw_dense` under `torch.compile` (dynamic shapes: a graph per rank and
+    dtype, and a few more for axes of size 0 or 1), one pass over the parameter, its gradient and moments where the
     foreach update makes a pass per operation and float32 copies of lower-precision parameters.
 
     `write_behind=True`: the sparse-gradient rows of tables in host memory whose model waits for such writes (marked
@@ -451,8 +458,11 @@ class RowSparseAdamW(torch.optim.Optimizer):
             counts = torch.stack(steps).tolist()
             device = same[0].device
             if compiles_rows_by_default(device) if self.compiled_dense is None else self.compiled_dense:
-                update, settings = _compiled_adamw_dense(), {}
+                update, settings, rest = _compiled_adamw_dense(), {}, []
                 for param, state, count in zip(same, states, counts, strict=True):
+                    if param.numel() < COMPILED_DENSE_MIN_ELEMENTS:
+                        rest.append((param, state, count))
+                        continue
                     if count not in settings:  # the group's parameters step together: one copy to the device
                         settings[count] = _device_settings(
                             dense_settings(lr, beta1, beta2, eps, weight_decay, count), device
@@ -461,7 +471,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
                     # dynamic ones. It shares the parameter's memory, which the update writes.
                     inputs = param.detach(), param.grad.detach(), state["exp_avg"], state["exp_avg_sq"]
                     update(*inputs, settings[count])
-                continue
+                if not rest:
+                    continue
+                same, states, counts = (list(column) for column in zip(*rest, strict=True))
             weights = [p.to(STATE_DTYPE) for p in same]
             grads = [p.grad.to(STATE_DTYPE) for p in same]
             exp_avgs = [state["exp_avg"] for state in states]
@@ -1133,6 +1145,7 @@ def adam_state_bytes(model: nn.Module, rows_seen: int | None = None) -> dict[str
 __all__ = [
     "LORA_TARGETS",
     "PAPER_ARGUMENTS",
+    "COMPILED_DENSE_MIN_ELEMENTS",
     "DENSE_STEP_BYTES",
     "FUSED_HOST_ROWS",
     "RECIPES",
@@ -1145,13 +1158,13 @@ __all__ = [
     "adam_state_bytes",
     "adamw_dense",
     "adamw_rows",
-    "dense_settings",
     "build_optimizer",
     "check_paper_arguments",
     "check_recipe",
     "clip_grad_norm",
     "compiles_rows_by_default",
     "copy_table_grads_behind",
+    "dense_settings",
     "lora_config",
     "param_groups",
     "rows_with_gradient",

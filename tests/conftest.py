@@ -288,23 +288,28 @@ def row_workers(monkeypatch):
 
 
 def dense_adamw_steps(compiled_dense: bool | None, dtype: torch.dtype, steps: int = 4, device: str = "cpu"):
-    """`steps` steps of `RowSparseAdamW` over a matrix and a vector of `dtype` on `device` (decayed and not, a
-    scheduler moving the learning rate) and of torch's float32 AdamW over float32 copies; returns both parameter lists,
-    our optimizer and theirs."""
+    """`steps` steps of `RowSparseAdamW` over two matrices and a vector of `dtype` on `device` (decayed and not, a
+    scheduler moving the learning rate, an eps that shows where it is added, the second matrix without a gradient at
+    step 1, so the group's step counts differ) and of torch's float32 AdamW over float32 copies; returns both
+    parameter lists, our optimizer and theirs."""
     torch.manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(shape).to(device, dtype)) for shape in ((48, 40), (40,))]
+    ours = [torch.nn.Parameter(torch.randn(shape).to(device, dtype)) for shape in ((48, 40), (8, 40), (40,))]
     theirs = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
-    groups = [{"params": [ours[0]], "weight_decay": 0.1}, {"params": [ours[1]], "weight_decay": 0.0}]
-    optimizer = training.RowSparseAdamW(groups, lr=1e-2, compiled_dense=compiled_dense)
+    settings = {"lr": 1e-2, "eps": 1e-3}
+    optimizer = training.RowSparseAdamW(
+        [{"params": ours[:2], "weight_decay": 0.1}, {"params": ours[2:], "weight_decay": 0.0}],
+        compiled_dense=compiled_dense,
+        **settings,
+    )
     reference = torch.optim.AdamW(
-        [{"params": [theirs[0]], "weight_decay": 0.1}, {"params": [theirs[1]], "weight_decay": 0.0}], lr=1e-2
+        [{"params": theirs[:2], "weight_decay": 0.1}, {"params": theirs[2:], "weight_decay": 0.0}], **settings
     )
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (step + 1)) for o in (optimizer, reference)]
     for step in range(steps):
         for params in (ours, theirs):
             for i, param in enumerate(params):
                 grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * step + i)).to(device)
-                param.grad = grad.to(param.dtype)
+                param.grad = None if (step, i) == (1, 1) else grad.to(param.dtype)
         for o, schedule in zip((optimizer, reference), schedules, strict=True):
             o.step()
             schedule.step()

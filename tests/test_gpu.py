@@ -632,16 +632,24 @@ def test_compiled_row_updates_of_resident_cuda_tables_match_eager_and_host_table
 def test_compiled_dense_updates_on_cuda_match_the_foreach_pass_and_torch_adamw(monkeypatch):
     """Dense parameters on the GPU, float32 and bf16: `RowSparseAdamW`'s default (`compiled_dense=None`, one compiled
     function per parameter on CUDA with Triton) against the foreach pass (`compiled_dense=False`) to a float32 or a
-    bf16 rounding, and float32 against torch's AdamW; the compiled function counted (two parameters, four steps)."""
+    bf16 rounding, and float32 against torch's AdamW; the compiled function counted (three parameters, four steps, one
+    of them skipped by one) and its graphs (it did compile: not run eager past a recompile limit)."""
+    from torch._dynamo.utils import counters
+
     from stem_hf import training
 
+    if not training.compiles_rows_by_default(CUDA):
+        pytest.skip("no Triton for this GPU: the default is the foreach pass")
+    torch.compiler.reset()
+    monkeypatch.setattr(training, "COMPILED_DENSE_MIN_ELEMENTS", 1)
     calls = []
     compiled_fn = training._compiled_adamw_dense
     monkeypatch.setattr(training, "_compiled_adamw_dense", lambda: calls.append(1) or compiled_fn())
     for dtype in (torch.float32, torch.bfloat16):
         calls.clear()
+        counters.clear()
         compiled, reference, _, _ = dense_adamw_steps(None, dtype, device="cuda")
-        assert len(calls) == (8 if training.compiles_rows_by_default(CUDA) else 0)
+        assert len(calls) == 11 and counters["stats"]["unique_graphs"] >= 2  # a matrix's and a vector's
         eager, _, _, _ = dense_adamw_steps(False, dtype, device="cuda")
         ulp = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
         for param, expected in zip(compiled, eager, strict=True):

@@ -440,7 +440,8 @@ def test_compiled_dense_gives_the_foreach_update_in_a_graph_per_rank_and_dtype(m
 
     from stem_hf import training
 
-    monkeypatch.setattr(training, "_COMPILED_ADAMW_DENSE", None)
+    torch.compiler.reset()  # dynamo keeps graphs on the function's code, past any wrapper: count from none
+    monkeypatch.setattr(training, "COMPILED_DENSE_MIN_ELEMENTS", 1)
     counters.clear()
     for dtype in (torch.float32, torch.bfloat16):
         compiled, reference, optimizer, _ = dense_adamw_steps(True, dtype)
@@ -450,7 +451,7 @@ def test_compiled_dense_gives_the_foreach_update_in_a_graph_per_rank_and_dtype(m
             ulp = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]  # a fused multiply-add may round otherwise
             torch.testing.assert_close(param, expected, rtol=ulp, atol=1e-6)
             state, expected_state = optimizer.state[param], eager_optimizer.state[expected]
-            assert float(state["step"]) == float(expected_state["step"]) == 4
+            assert float(state["step"]) == float(expected_state["step"]) == (3 if param is compiled[1] else 4)
             for key in ("exp_avg", "exp_avg_sq"):
                 assert state[key].dtype == torch.float32
                 torch.testing.assert_close(state[key], expected_state[key], rtol=1e-5, atol=1e-8, msg=key)
@@ -463,20 +464,31 @@ def test_compiled_dense_gives_the_foreach_update_in_a_graph_per_rank_and_dtype(m
         RowSparseAdamW(compiled, compiled_dense=1)
 
 
-def test_compiled_dense_by_default_only_on_cuda_with_triton(monkeypatch):
+def test_compiled_dense_by_default_only_on_cuda_with_triton_and_only_for_large_parameters(monkeypatch):
     """`compiled_dense=None` (the default) compiles dense updates where `compiles_rows_by_default` says (CUDA with
-    Triton); elsewhere, and with False, the foreach pass runs. The compiled function is counted."""
+    Triton); elsewhere, and with False, the foreach pass runs. Parameters under `COMPILED_DENSE_MIN_ELEMENTS` take the
+    foreach pass either way, with the same result. The compiled function is counted."""
     from stem_hf import training
 
     calls = []
-    monkeypatch.setattr(
-        training, "_compiled_adamw_dense", lambda: lambda *a: calls.append(1) or training.adamw_dense(*a)
-    )
-    for on_cuda, compiled_dense, expected in ((True, None, 2), (False, None, 0), (True, False, 0), (False, True, 2)):
+
+    def counted(*args):
+        calls.append(1)
+        return training.adamw_dense(*args)
+
+    monkeypatch.setattr(training, "_compiled_adamw_dense", lambda: counted)
+    monkeypatch.setattr(training, "COMPILED_DENSE_MIN_ELEMENTS", 1)
+    for on_cuda, compiled_dense, expected in ((True, None, 3), (False, None, 0), (True, False, 0), (False, True, 3)):
         monkeypatch.setattr(training, "compiles_rows_by_default", lambda device, on_cuda=on_cuda: on_cuda)
         calls.clear()
         dense_adamw_steps(compiled_dense, torch.float32, steps=1)
         assert len(calls) == expected, (on_cuda, compiled_dense)
+    monkeypatch.setattr(training, "COMPILED_DENSE_MIN_ELEMENTS", 320)  # the matrices (1920 and 320), not the vector
+    calls.clear()
+    mixed, reference, _, _ = dense_adamw_steps(True, torch.float32)
+    assert len(calls) == 4 + 3 + 0  # four steps of the first matrix, three of the second
+    for param, theirs in zip(mixed, reference, strict=True):
+        torch.testing.assert_close(param, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_rows_write_only_the_touched_rows(tmp_path, monkeypatch):
