@@ -293,8 +293,13 @@ def _device_settings(values: list[float], device: torch.device) -> torch.Tensor:
     settings = torch.tensor(values, dtype=STATE_DTYPE)
     if device.type == "cuda":
         settings = settings.pin_memory()
-    settings = settings.to(device, non_blocking=True)
-    torch._dynamo.mark_static(settings)  # its length a constant: no parameter axis of that size is taken for it
+    return settings.to(device, non_blocking=True)
+
+
+def _static(settings: torch.Tensor) -> torch.Tensor:
+    """`settings` marked static for a compiled update: its length a constant, so that no parameter axis of that size is
+    taken for it (dynamo gives equal sizes one symbol)."""
+    torch._dynamo.mark_static(settings)
     return settings
 
 
@@ -464,9 +469,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
                         rest.append((param, state, count))
                         continue
                     if count not in settings:  # the group's parameters step together: one copy to the device
-                        settings[count] = _device_settings(
-                            dense_settings(lr, beta1, beta2, eps, weight_decay, count), device
-                        )
+                        values = dense_settings(lr, beta1, beta2, eps, weight_decay, count)
+                        settings[count] = _static(_device_settings(values, device))
                     # Detached: dynamo gives a parameter static shapes, a compile per shape; a plain tensor takes
                     # dynamic ones. It shares the parameter's memory, which the update writes.
                     inputs = param.detach(), param.grad.detach(), state["exp_avg"], state["exp_avg_sq"]
@@ -607,6 +611,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
         settings = _device_settings([hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]], param.device)
         compiled = compiles_rows_by_default(param.device) if self.compiled_rows is None else self.compiled_rows
         update = _compiled_adamw_rows() if compiled else adamw_rows
+        if compiled:
+            _static(settings)
         # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
         inputs = rows.detach(), slots.detach(), values.detach()
         update(param, state["exp_avg"], state["exp_avg_sq"], state["steps"], *inputs, settings, moved)
