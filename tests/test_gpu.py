@@ -660,13 +660,16 @@ def test_compiled_dense_updates_on_cuda_match_the_foreach_pass_and_torch_adamw(m
                 torch.testing.assert_close(param, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_clipping_and_the_row_update_of_resident_cuda_tables_make_no_host_sync():
+def test_clipping_and_the_row_update_of_resident_cuda_tables_make_no_host_sync(monkeypatch):
     """Resident tables with sparse gradients on the GPU, after the moments hold every row: `clip_grad_norm` and
-    `RowSparseAdamW.step` (its default, compiled rows) run under `torch.cuda.set_sync_debug_mode("error")`, which
-    raises at any synchronizing call (a value read back, a pageable copy); the forward syncs twice (the id check and
-    its distinct ids), outside the mode."""
+    `RowSparseAdamW.step` (its default: compiled rows, and compiled dense updates, every dense parameter of this small
+    model taken for a large one) run under `torch.cuda.set_sync_debug_mode("error")`, which raises at any
+    synchronizing call (a value read back, a pageable copy); the forward syncs twice (the id check and its distinct
+    ids), outside the mode."""
+    from stem_hf import training
     from stem_hf.training import RowSparseAdamW, clip_grad_norm, param_groups, use_sparse_table_grads
 
+    monkeypatch.setattr(training, "COMPILED_DENSE_MIN_ELEMENTS", 1)
     model = sensitive_model(table_dtype="float32", stem_layers=[1, 2, 3], keep_tables_on_cpu=False)
     model.to(CUDA).train()
     use_sparse_table_grads(model)
