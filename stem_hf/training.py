@@ -377,6 +377,8 @@ class RowSparseAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["row_sparse"] and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("RowSparseAdamW: row_sparse groups hold 2-D parameters only (tables, embeddings)")
+            if any(p.is_complex() for p in group["params"]):  # the float32 update would drop the imaginary part
+                raise ValueError("RowSparseAdamW: complex parameters are not supported: use torch.optim.AdamW")
             if any(type(p).__name__ == "DTensor" for p in group["params"]):
                 raise ValueError(
                     "RowSparseAdamW does not take FSDP-sharded (DTensor) parameters: under FSDP use torch.optim.AdamW "

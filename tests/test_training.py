@@ -462,6 +462,8 @@ def test_compiled_dense_gives_the_foreach_update_in_a_graph_per_rank_and_dtype(m
     assert copy.deepcopy(RowSparseAdamW(compiled, compiled_dense=True)).compiled_dense  # a copy keeps it
     with pytest.raises(ValueError, match="compiled_dense is None"):
         RowSparseAdamW(compiled, compiled_dense=1)
+    with pytest.raises(ValueError, match="complex parameters"):  # its float32 update would drop the imaginary part
+        RowSparseAdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))])
 
 
 def test_compiled_dense_by_default_only_on_cuda_with_triton_and_only_for_large_parameters(monkeypatch):
