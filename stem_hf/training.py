@@ -287,6 +287,11 @@ def compiles_rows_by_default(device: torch.device) -> bool:
     return fuses_lookups_on(device)
 
 
+def _compiles(setting: bool | None, device: torch.device) -> bool:
+    """What `RowSparseAdamW`'s `compiled_rows` or `compiled_dense` says for `device`: None, the default there."""
+    return compiles_rows_by_default(device) if setting is None else setting
+
+
 def _device_settings(values: list[float], device: torch.device) -> torch.Tensor:
     """`values` as a float32 tensor on `device`, for a compiled update to take as an input (a new learning rate is no
     recompile): on CUDA copied from pinned memory, since a pageable copy would wait for the device (a host sync)."""
@@ -464,7 +469,7 @@ class RowSparseAdamW(torch.optim.Optimizer):
             torch._foreach_add_(steps, 1)
             counts = torch.stack(steps).tolist()
             device = same[0].device
-            if compiles_rows_by_default(device) if self.compiled_dense is None else self.compiled_dense:
+            if _compiles(self.compiled_dense, device):
                 update, settings, rest = _compiled_adamw_dense(), {}, []
                 for param, state, count in zip(same, states, counts, strict=True):
                     if param.numel() < COMPILED_DENSE_MIN_ELEMENTS:
@@ -611,10 +616,9 @@ class RowSparseAdamW(torch.optim.Optimizer):
         moved = torch.linalg.vector_norm(values, 0, dim=1) > 0 if sparse else None
         beta1, beta2 = hyper["betas"]
         settings = _device_settings([hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"]], param.device)
-        compiled = compiles_rows_by_default(param.device) if self.compiled_rows is None else self.compiled_rows
-        update = _compiled_adamw_rows() if compiled else adamw_rows
-        if compiled:
-            _static(settings)
+        update = adamw_rows
+        if _compiles(self.compiled_rows, param.device):
+            update, settings = _compiled_adamw_rows(), _static(settings)
         # Inputs that are not views: dynamo fails on a view (a sparse gradient's values) whose base changes.
         inputs = rows.detach(), slots.detach(), values.detach()
         update(param, state["exp_avg"], state["exp_avg_sq"], state["steps"], *inputs, settings, moved)
