@@ -312,6 +312,72 @@ def _usual(table: nn.Embedding) -> bool:
     return table.padding_idx is None and table.max_norm is None and not table.scale_grad_by_freq
 
 
+def _trained_parts(module: nn.Module) -> list[nn.Module]:
+    """What may train of a table's module: the table; under PEFT's trainable tokens, the trained rows too."""
+    table = base_table(module)
+    return [module] if table is module else [table, getattr(module.token_adapter, "trainable_tokens_delta", table)]
+
+
+def _upcasts(weight: torch.Tensor) -> bool:
+    """Whether `upcast_trainable` casts `weight`: it trains in a lower precision than float32, and has data here."""
+    low = weight.requires_grad and weight.dtype != torch.float32
+    return low and weight.device.type != "meta" and type(weight).__name__ != "DTensor"
+
+
+class StemTrainedRows(NamedTuple):
+    """PEFT's trainable tokens on a STEM table (`trainable_token_indices`, which `stem_hf.training.lora_config` sets):
+    the table, and the active adapter's token ids with the rows that replace the table's for them."""
+
+    table: nn.Embedding
+    ids: list[int]
+    rows: torch.Tensor
+
+
+def base_table(module: nn.Module) -> nn.Module:
+    """The table under PEFT's trainable tokens (its `weight` would merge the adapter's rows into a copy of the whole
+    table), or `module` itself."""
+    adapter = module._modules.get("token_adapter")
+    base = getattr(adapter, "base_layer", None)
+    return base if isinstance(base, nn.Embedding) else module
+
+
+def trained_tokens(module: nn.Module) -> StemTrainedRows | None:
+    """The trained rows of PEFT's trainable tokens around a plain table, where the layer can look the table up as it
+    looks up any table and put the trained rows in after: PEFT's own forward copies the whole table with those rows
+    in, at every forward and on every read of `weight`, and backward makes a `[vocab, d_ff]` gradient to pick them out
+    of. None for anything else, which its own forward serves: no token adapter, adapters disabled or merged, more than
+    one active, hooks (PEFT's mixed-batch `adapter_names` is one), a table with `nn.Embedding` options, repeated ids."""
+    adapter = module._modules.get("token_adapter")
+    if adapter is None:
+        return None
+    table = getattr(adapter, "base_layer", None)
+    if type(table) is not StemTable or not _usual(table) or any(map(_hooked, (module, adapter, table))):
+        return None
+    if getattr(module, "disable_adapters", True) or getattr(adapter, "disable_adapters", True):
+        return None
+    names, deltas = getattr(adapter, "active_adapters", None), getattr(adapter, "trainable_tokens_delta", None)
+    if getattr(adapter, "merged", True) or not isinstance(names, list) or len(names) != 1 or deltas is None:
+        return None
+    ids = getattr(adapter, "token_indices", {}).get(names[0])
+    if names[0] not in deltas or names[0] not in getattr(module, "_adapters", ()) or ids is None:
+        return None
+    rows = deltas[names[0]]
+    if len(set(ids)) != len(ids) or rows.shape != (len(ids), table.embedding_dim):
+        return None
+    return StemTrainedRows(table, list(ids), rows)
+
+
+def with_trained_rows(rows: torch.Tensor, ids: torch.Tensor, trained: StemTrainedRows) -> torch.Tensor:
+    """`rows` (of `ids`) with the trained rows in place of the table's at their ids, as PEFT's merged table gives them:
+    the gradient reaches the trained rows through the positions holding their ids only, and no `[vocab, d_ff]` tensor
+    is made."""
+    index = torch.tensor(trained.ids, device=ids.device)
+    known, order = index.sort()
+    at = torch.searchsorted(known, ids).clamp_(max=len(known) - 1)
+    hit = known[at] == ids
+    return torch.where(hit.unsqueeze(-1), trained.rows.to(rows)[order[at]], rows)
+
+
 # torch's CPU `index_select` copies a row of fewer elements than this (ATen's GRAIN_SIZE) with one memcpy, in parallel
 # over rows; a wider row with a parallel copy of its own, a round trip through the thread pool per row.
 INDEX_SELECT_GRAIN = 32768
@@ -662,10 +728,19 @@ class StemTableRows:
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         if layer_idx in self.outside_rows:
             return self.outside_rows[layer_idx]
-        return self._rows(layer_idx, self.tables[str(layer_idx)])
+        table, trained = self.source(layer_idx)
+        rows = self._rows(layer_idx, table)
+        return rows if trained is None else with_trained_rows(rows, self.stem_input_ids, trained)
 
-    def _rows(self, layer_idx: int, table: nn.Embedding) -> torch.Tensor:
-        weight = table.weight
+    def source(self, layer_idx: int) -> tuple[nn.Module, StemTrainedRows | None]:
+        """The module layer `layer_idx`'s rows come from, and the trained rows put in after them: the table under
+        PEFT's trainable tokens with their rows, where `trained_tokens` finds them, else the layer's module and None."""
+        module = self.tables[str(layer_idx)]
+        trained = trained_tokens(module)
+        return (module, None) if trained is None else (trained.table, trained)
+
+    def _rows(self, layer_idx: int, table: nn.Module) -> torch.Tensor:
+        weight = base_table(table).weight
         if weight.shape[0] == 0:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
         if torch.compiler.is_compiling() and outside_graph(table):  # layers compiled one by one: this layer's alone
@@ -676,21 +751,22 @@ class StemTableRows:
                 unique, inverse = self.distinct_here()
                 return StemDistinctRowsGrad.apply(weight, self.stem_input_ids, unique, inverse)
             return table(self.stem_input_ids)
-        return self.host_rows(layer_idx)
+        return self.host_rows(layer_idx, table)
 
     def lookup(self, layer_idx: int) -> torch.Tensor | StemLookup:
         """Layer `layer_idx`'s rows as `self[layer_idx]` gives them or, where the layer gathers them inside its own
         kernel (`fuses`), what to gather from: the table and the ids (with the distinct ids where the table's gradient
         is sparse over them), or the rows moved from host memory and each position's place among them."""
-        table = self.tables[str(layer_idx)]
-        if not (self._fusing and self.fuses(table)) or table.weight.shape[0] == 0:  # `_fusing` first: no call
-            return self.outside_rows[layer_idx] if layer_idx in self.outside_rows else self._rows(layer_idx, table)
+        table, trained = self.source(layer_idx)
+        fused = self._fusing and trained is None and self.fuses(table)  # `_fusing` first: no call
+        if not fused or table.weight.shape[0] == 0:
+            return self[layer_idx]
         if not self.host_served(table):
             settle(table.weight)
             if self.distinct_grad(table):
                 return StemLookup(table.weight, self.stem_input_ids, *self.distinct_here())
             return StemLookup(table.weight, self.stem_input_ids)
-        return self.host_rows(layer_idx, gathered=False)
+        return self.host_rows(layer_idx, table, gathered=False)
 
     def fuses(self, table: nn.Embedding) -> bool:
         """Whether the layer gathers `table`'s rows inside its own kernel (`fused_gated_lookup`), as
@@ -724,7 +800,7 @@ class StemTableRows:
 
     def host_served(self, table: nn.Embedding) -> bool:
         """Whether `table` lives on another device than the ids (meta: an accelerate hook brings the weight)."""
-        device = table.weight.device
+        device = base_table(table).weight.device
         return device != self._device and device.type != "meta"
 
     def distinct(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -740,20 +816,21 @@ class StemTableRows:
         where tests route a model through this path). Under compile a thread is not traceable; a wrapped table (PEFT's
         trainable tokens) or a hooked one computes its rows in its own forward; a table on another accelerator, or ids
         on one without CUDA streams, are served by the plain lookup."""
-        plain = type(table) is StemTable and not _hooked(table)
+        if type(table) is not StemTable or _hooked(table):
+            return False
         on_host = table.weight.device.type == "cpu" and self.stem_input_ids.device.type in ("cuda", "cpu")
-        return plain and on_host and not torch.compiler.is_compiling()
+        return on_host and not torch.compiler.is_compiling()
 
-    def host_rows(self, layer_idx: int, gathered: bool = True) -> torch.Tensor | StemLookup:
-        """Layer `layer_idx`'s rows from a table on another device than the ids: each distinct id looked up once, only
+    def host_rows(self, layer_idx: int, table: nn.Module, gathered: bool = True) -> torch.Tensor | StemLookup:
+        """Layer `layer_idx`'s rows from `table`, on another device than the ids: each distinct id looked up once, only
         those rows moved. Where `pipelined`, the worker fetches them ahead, or every such table's rows are fetched at
         once here, on the first ask (`at_once`). Not `gathered`: the moved rows and each position's place among them,
         for the layer to gather."""
         unique, inverse = self.distinct()
-        table = self.tables[str(layer_idx)]
         if not self.pipelined(table):
-            settle(table.weight)
-            rows = table(unique.to(table.weight.device)).to(self.stem_input_ids.device, non_blocking=True)
+            weight = base_table(table).weight
+            settle(weight)
+            rows = table(unique.to(weight.device)).to(self.stem_input_ids.device, non_blocking=True)
             return rows[inverse] if gathered else StemLookup(rows, inverse)
         if layer_idx in self._served:  # activation checkpointing recomputes the layer: fetch again, nothing ahead
             rows, ready = self._fetch(table, unique, self._main_stream())
@@ -798,7 +875,8 @@ class StemTableRows:
         """The host-table layers whose rows come before their ask (a freed table raises when its layer asks). Asked
         outside compiled code only, where `pipelined` holds for the whole forward."""
         if self._layers is None:
-            served = [(int(k), t) for k, t in self.tables.items() if self.host_served(t) and self.pipelined(t)]
+            served = [(layer, self.source(layer)[0]) for layer in map(int, self.tables)]
+            served = [(layer, t) for layer, t in served if self.host_served(t) and self.pipelined(t)]
             self._layers = [layer for layer, table in served if table.weight.shape[0] != 0]
         return self._layers
 
@@ -807,7 +885,7 @@ class StemTableRows:
         unique, _ = self.distinct()
         main = self._main_stream()  # read in this thread: the worker's current stream is another
         for layer in layers_ahead(self.pipelined_layers(), layer_idx, (self._ahead, self._served)):
-            self._ahead[layer] = _row_worker().submit(self._fetch, self.tables[str(layer)], unique, main)
+            self._ahead[layer] = _row_worker().submit(self._fetch, self.source(layer)[0], unique, main)
 
     def _fetch_at_once(self) -> None:
         """Fetches the rows of every `pipelined` host table not yet fetched, here: each table gathered into its slice
@@ -816,13 +894,13 @@ class StemTableRows:
         groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
         for layer in self.pipelined_layers():
             if layer not in self._ahead and layer not in self._served:
-                weight = self.tables[str(layer)].weight
+                weight = self.source(layer)[0].weight
                 groups.setdefault((weight.dtype, weight.shape[1:]), []).append(layer)
         pinned = self.stem_input_ids.device.type == "cuda"
         for (dtype, row), layers in groups.items():
             staged = torch.empty((len(layers), len(unique), *row), dtype=dtype, pin_memory=pinned)
             for at, layer in enumerate(layers):
-                weight = self.tables[str(layer)].weight
+                weight = self.source(layer)[0].weight
                 settle(weight)
                 gather_rows(weight.detach(), unique, out=staged[at])
             rows, ready = copy_staged(staged, self.stem_input_ids.device, self._main_stream())
@@ -900,9 +978,9 @@ def rows_outside_graph(
 
 @torch.compiler.disable(**_DISABLE)
 def _rows_outside_graph_of(rows: StemTableRows, layer_idx: int) -> torch.Tensor:
-    """`rows[layer_idx]` by the eager path, from a layer compiled on its own: the forward's distinct ids and fetches
-    ahead serve every layer, as in eager."""
-    return rows[layer_idx]
+    """Layer `layer_idx`'s table rows by the eager path, from a layer compiled on its own: the forward's distinct ids
+    and fetches ahead serve every layer, as in eager (trained rows are put in by the caller)."""
+    return rows._rows(layer_idx, rows.source(layer_idx)[0])
 
 
 class StemSoftPromptRows:
@@ -993,11 +1071,10 @@ class StemTables(nn.ModuleDict):
         self.config = config
 
     def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
+        tables = [base_table(t) for t in self.values()]  # PEFT's trainable tokens would copy a table per `weight`
         if self.training and torch.is_grad_enabled():
             low = {
-                str(t.weight.dtype)[6:]
-                for t in self.values()
-                if t.weight.requires_grad and t.weight.dtype != torch.float32
+                str(t.weight.dtype)[6:] for t in tables if t.weight.requires_grad and t.weight.dtype != torch.float32
             }
             if low:
                 logger.warning_once(
@@ -1006,14 +1083,14 @@ class StemTables(nn.ModuleDict):
                     "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
                 )
         rows = StemTableRows(self, stem_input_ids)
-        if torch.is_grad_enabled() and any(not rows.host_served(t) and rows.distinct_grad(t) for t in self.values()):
+        if torch.is_grad_enabled() and any(not rows.host_served(t) and rows.distinct_grad(t) for t in tables):
             rows.distinct_here()  # now, while the id check has just emptied the queue: its sync waits for little
         return rows
 
     def train(self, mode: bool = True) -> "StemTables":
         super().train(mode)
         if mode:
-            trainable = [t.weight for t in self.values() if t.weight.requires_grad]
+            trainable = [w for w in (base_table(t).weight for t in self.values()) if w.requires_grad]
             for weight in trainable:
                 weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
                 weight.stem_reads_wait = True  # this file's reads of it wait for a write behind: one may be made
@@ -1029,24 +1106,24 @@ class StemTables(nn.ModuleDict):
 
     def upcast_trainable(self) -> list[str]:
         """Casts the tables that require grad to float32 in memory (a memory-mapped table's file is left as it is) and
-        returns their layer keys; `config.table_dtype` is left as it is. Sharded (DTensor) tables are left as they
-        are."""
-        keys = [
-            k
-            for k, t in self.items()
-            if t.weight.requires_grad
-            and t.weight.dtype != torch.float32
-            and t.weight.device.type != "meta"
-            and type(t.weight).__name__ != "DTensor"
-        ]
-        if not keys:
+        returns their layer keys; `config.table_dtype` is left as it is. Under PEFT's trainable tokens, the trained
+        rows (the table PEFT freezes stays as it is). Sharded (DTensor) tables are left as they are."""
+        casts = {
+            key: [part for part in _trained_parts(t) if any(map(_upcasts, part.parameters()))]
+            for key, t in self.items()
+        }
+        casts = {key: parts for key, parts in casts.items() if parts}
+        if not casts:
             return []
         stored = self.config.table_dtype
-        for key in keys:
-            self[key].to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
+        for parts in casts.values():
+            for part in parts:
+                part.to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
+        numel = sum(w.numel() for parts in casts.values() for part in parts for w in part.parameters())
+        keys = list(casts)
         logger.warning_once(
             f"STEM tables {keys} train in float32: cast from {stored} in memory "
-            f"({sum(self[k].weight.numel() for k in keys) * 4 / 2**30:.2f} GiB), and saves write them in float32 "
+            f"({numel * 4 / 2**30:.2f} GiB), and saves write them in float32 "
             "(save_pretrained(..., table_dtype='bfloat16') rounds them). Freeze them (requires_grad_(False)) or set "
             "model.base_model.stem_tables.upcast_for_training = False to keep them as stored"
         )
@@ -1072,7 +1149,7 @@ class StemTables(nn.ModuleDict):
     @property
     def freed(self) -> bool:
         """Whether `StemOffloadEngine(free_tables=True)` dropped the tables (they then hold no rows)."""
-        return any(table.weight.shape[0] == 0 for table in self.values())
+        return any(base_table(table).weight.shape[0] == 0 for table in self.values())
 
     def check_not_freed(self, what: str) -> None:
         """Raises, naming `what`, where an offload engine freed the tables."""
@@ -1347,7 +1424,7 @@ class StemModel(StemPreTrainedModel):
         if self.row_source is None and torch.compiler.is_compiling():
             # One graph break per forward, here: never one inside the layers' loop, which dynamo would run eager. Before
             # the rows object is built: dynamo cannot hand an object it built in the graph to a call out of it.
-            layers = tuple(int(key) for key, table in self.stem_tables.items() if outside_graph(table))
+            layers = tuple(int(key) for key, table in self.stem_tables.items() if outside_graph(base_table(table)))
             if layers:
                 outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
@@ -1600,6 +1677,8 @@ __all__ = [
     "StemTable",
     "StemTableRows",
     "StemTables",
+    "StemTrainedRows",
+    "base_table",
     "check_token_ids",
     "copies_grad_behind",
     "copy_staged",
@@ -1619,5 +1698,7 @@ __all__ = [
     "rows_dynamic",
     "rows_outside_graph",
     "settle",
+    "trained_tokens",
+    "with_trained_rows",
     "xavier_normal_std",
 ]

@@ -314,3 +314,32 @@ def dense_adamw_steps(compiled_dense: bool | None, dtype: torch.dtype, steps: in
             o.step()
             schedule.step()
     return ours, theirs, optimizer, reference
+
+
+class AllocatedShapes:
+    """Records the shapes of the dense tensors allocated inside (aten outputs seen by a dispatch mode, views and
+    in-place results on `model`'s parameters left out): a `[vocab, d_ff]` gradient or optimizer state shows up."""
+
+    def __init__(self, model):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.shapes, params = set(), {p.untyped_storage().data_ptr() for p in model.parameters()}
+        shapes = self.shapes
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+                        if tensor.untyped_storage().data_ptr() not in params:
+                            shapes.add(tuple(tensor.shape))
+                return out
+
+        self.mode = Mode()
+
+    def __enter__(self) -> set[tuple[int, ...]]:
+        self.mode.__enter__()
+        return self.shapes
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)

@@ -2,14 +2,19 @@
 `trainable_token_indices`; the adapter trains, saves, reloads and merges with identical outputs."""
 
 import copy
+import json
+import os
+import sys
 
 import pytest
 import torch
 from peft import PeftModel, PromptTuningConfig, get_peft_model
 from safetensors import safe_open
 
+from stem_hf import modeling_stem
+from stem_hf.modeling_stem import StemTable, StemTableRows
 from stem_hf.training import lora_config
-from tests.conftest import _dataset, sensitive_model, tiny_model
+from tests.conftest import AllocatedShapes, _dataset, benchmark_script, sensitive_model, tiny_model
 
 ROWS = [5, 9, 40]
 
@@ -95,6 +100,167 @@ def test_an_adapter_loads_through_peft_and_through_transformers_load_adapter(tmp
     base.disable_adapters()
     with torch.no_grad():
         torch.testing.assert_close(base(input_ids=ids).logits, plain, rtol=0, atol=0)
+
+
+# PEFT's trainable tokens as rows: the layer looks the table up and puts the trained rows in (issue 36)
+
+
+def _token_model(vocab: int = 96, **config):
+    """A LoRA model with `ROWS` trained as tokens, its trained rows and LoRA's B moved off their initial values (so
+    that outputs and gradients show where each is used)."""
+    torch.manual_seed(0)
+    base = tiny_model(vocab_size=vocab, table_dtype="float32")
+    model = get_peft_model(base, lora_config(base, r=4, token_ids=ROWS, **config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "trainable_tokens_delta" in name or "lora_B" in name:
+                param.normal_(0, 0.5)
+    return model
+
+
+def _peft_forward(model) -> list:
+    """Makes the model call PEFT's own forward of its trainable tokens (a merged copy of each table): any hook on the
+    wrapper hands the lookup to it. Returns the hooks' handles."""
+    wrappers = [m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"]
+    assert len(wrappers) == 2
+    return [wrapper.register_forward_pre_hook(lambda *args: None) for wrapper in wrappers]
+
+
+def _step(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+# Trained ids repeated and alone, untrained ids between them, a trained id (40) in the second sequence only.
+TOKEN_IDS = torch.tensor([[ROWS[0], 3, ROWS[1], 7, ROWS[0], 11, 2, 13], [ROWS[2], ROWS[2], 6, ROWS[0], 8, 9, 10, 4]])
+
+
+def test_trainable_tokens_give_the_outputs_and_gradients_of_peft_merged_tables():
+    """The layers put the trained rows into the table's rows at their ids: the logits and every gradient (trained
+    rows, LoRA) of PEFT's own forward, which merges the rows into a copy of each table, and the logits of the model
+    PEFT merges for good."""
+    model = _token_model().train()
+    logits, grads = _step(model, TOKEN_IDS)
+    handles = _peft_forward(model)
+    expected_logits, expected = _step(model, TOKEN_IDS)
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    assert grads.keys() == expected.keys() and any("trainable_tokens_delta" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    deltas = [g for n, g in grads.items() if "trainable_tokens_delta" in n]
+    assert all(d.abs().sum(1).gt(0).all() for d in deltas)  # every trained row is in the batch: each has a gradient
+    merged = copy.deepcopy(model).eval().merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=TOKEN_IDS).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [96, 384])
+def test_trainable_tokens_never_copy_a_table(vocab):
+    """A train step (forward, backward) and an inference forward with trainable tokens make no `[vocab, d_ff]` tensor,
+    at two vocabulary sizes; PEFT's own forward makes one per table (a merged copy, its gradient)."""
+    model = _token_model(vocab).train()
+    for peft_forward in (False, True):
+        handles = _peft_forward(model) if peft_forward else []
+        with AllocatedShapes(model) as trained:
+            model(input_ids=TOKEN_IDS, labels=TOKEN_IDS).loss.backward()
+        with torch.no_grad(), AllocatedShapes(model) as inferred:
+            model.eval()(input_ids=TOKEN_IDS)
+        model.train()
+        for handle in handles:
+            handle.remove()
+        assert ((vocab, 64) in trained) is peft_forward and ((vocab, 64) in inferred) is peft_forward
+
+
+def test_trainable_tokens_off_merged_or_hooked_are_served_by_peft_as_before(tmp_path):
+    """Adapters disabled: the base model's outputs; merged into the table: the trained outputs; with several adapters
+    loaded, the one set active is used."""
+    model = _token_model().eval()
+    torch.manual_seed(0)
+    plain = tiny_model(table_dtype="float32").eval()
+    with torch.no_grad():
+        trained = model(input_ids=TOKEN_IDS).logits
+        with model.disable_adapter():
+            torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, plain(input_ids=TOKEN_IDS).logits)
+        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=0, atol=0)
+    model.save_pretrained(tmp_path / "first")
+    model.add_adapter("second", lora_config(plain, r=4, token_ids=[3, 7]))
+    model.set_adapter("second")
+    with torch.no_grad():
+        second = model(input_ids=TOKEN_IDS).logits
+        model.set_adapter("default")
+        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=0, atol=0)
+    assert not torch.allclose(second, trained)
+    for wrapper in (m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"):
+        wrapper.token_adapter.merge(adapter_names=["default"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_trainable_tokens_on_host_tables_are_fetched_ahead_with_the_resident_outputs(monkeypatch):
+    """With the tables in host memory (served as a model on an accelerator serves them, the ids on the CPU here), the
+    worker fetches the tables' rows ahead, as for a plain table, and the trained rows go in after: the resident
+    logits and gradients."""
+    model = _token_model().train()
+    logits, grads = _step(model, TOKEN_IDS)
+    fetched, fetch = [], StemTableRows._fetch
+    monkeypatch.setattr(modeling_stem, "HOST_AT_ONCE_MAX_IDS", 0)  # inference forwards fetched ahead too
+    monkeypatch.setattr(StemTableRows, "host_served", lambda self, table: True)
+    monkeypatch.setattr(
+        StemTableRows, "_fetch", lambda self, table, *args: fetched.append(table) or fetch(self, table, *args)
+    )
+    host_logits, host_grads = _step(model, TOKEN_IDS)
+    tables = [m.token_adapter.base_layer for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"]
+    assert fetched == tables and all(type(t) is StemTable for t in tables)
+    torch.testing.assert_close(host_logits, logits, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(host_grads[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=TOKEN_IDS).logits, logits, rtol=0, atol=0)
+    assert fetched[2:] == tables
+
+
+def test_train_casts_the_trained_rows_to_float32_and_leaves_the_table_peft_freezes_as_stored():
+    """bf16 tables under trainable tokens: `train()` casts the trained rows (which train) to float32, never the frozen
+    table (it cast a copy of the whole table before, as if the table trained), and the outputs are PEFT's own."""
+    torch.manual_seed(0)
+    base = tiny_model(table_dtype="bfloat16")
+    model = get_peft_model(base, lora_config(base, r=4, token_ids=ROWS)).train()
+    wrappers = [m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"]
+    assert len(wrappers) == 2
+    for wrapper in wrappers:
+        assert wrapper.token_adapter.base_layer.weight.dtype == torch.bfloat16
+        assert wrapper.token_adapter.trainable_tokens_delta["default"].dtype == torch.float32
+    logits, grads = _step(model, TOKEN_IDS)
+    handles = _peft_forward(model)
+    expected_logits, expected = _step(model, TOKEN_IDS)
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_peft_tokens_benchmark_finds_table_copies_in_peft_forward_only(tmp_path, monkeypatch):
+    """`benchmarks/bench_peft_tokens.py` at a tiny shape: both ways timed, equal logits, and the allocation recorder
+    sees a tensor of a table's size per STEM layer in PEFT's own inference forward (and more in its train step), none
+    in the model's path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    out = tmp_path / "peft_tokens.json"
+    argv = ["bench_peft_tokens.py", "--shape", "tiny", "--seq-len", "40", "--tokens", "8", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    benchmark_script("bench_peft_tokens").main()
+    report = json.loads(out.read_text())
+    assert report["table_shape"] == [512, 128] and report["trained_ids_in_batch"] > 0
+    for mode, copies in (("train", 2), ("inference", 2)):
+        figures = report[mode]
+        assert figures["rows_ms"] > 0 and figures["peft_ms"] > 0 and figures["logits_max_diff"] == 0
+        assert figures["rows_table_copies"] == 0 and figures["peft_table_copies"] >= copies
+        assert figures["rows_allocated_mib"] < figures["peft_allocated_mib"]
 
 
 # PEFT prompt tuning: soft prompts get zero table rows (issue 23)

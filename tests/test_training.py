@@ -24,7 +24,7 @@ from stem_hf.training import (
     sparse_rows,
     use_sparse_table_grads,
 )
-from tests.conftest import _dataset, dense_adamw_steps, tiny_model
+from tests.conftest import AllocatedShapes, _dataset, dense_adamw_steps, tiny_model
 
 
 def _stem(**overrides):
@@ -1083,39 +1083,10 @@ def test_build_optimizer_plugs_into_a_plain_trainer(tmp_path):
     assert int(optimizer.state[model.model.stem_tables["1"].weight]["rows_seen"]) > 0
 
 
-class _Shapes:
-    """Records the shapes of the dense tensors allocated inside (aten outputs seen by a dispatch mode, views and
-    in-place results on `model`'s parameters left out): a `[vocab, d_ff]` gradient or optimizer state shows up."""
-
-    def __init__(self, model):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.shapes, params = set(), {p.untyped_storage().data_ptr() for p in model.parameters()}
-        shapes = self.shapes
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
-                        if tensor.untyped_storage().data_ptr() not in params:
-                            shapes.add(tuple(tensor.shape))
-                return out
-
-        self.mode = Mode()
-
-    def __enter__(self) -> set[tuple[int, ...]]:
-        self.mode.__enter__()
-        return self.shapes
-
-    def __exit__(self, *exc) -> None:
-        self.mode.__exit__(*exc)
-
-
 def _largest_tensors(model, ids, optimizer) -> set[tuple[int, ...]]:
     """The shapes of the dense tensors a train step's backward and optimizer step allocate."""
     loss = model(input_ids=ids, labels=ids).loss
-    with _Shapes(model) as shapes:
+    with AllocatedShapes(model) as shapes:
         loss.backward()
         optimizer.step()
     return shapes
@@ -1154,7 +1125,7 @@ def test_stem_trainer_defaults_to_row_only_table_gradients(tmp_path, vocab):
         tables = model.model.stem_tables.values()
         assert all(t.weight.dtype == torch.bfloat16 and not t.sparse for t in tables)  # untouched until train()
         model.train()  # the float32 copies of the tables, made here, are parameters, not gradients
-        with _Shapes(model) as shapes:
+        with AllocatedShapes(model) as shapes:
             trainer.train()
         assert ((vocab, 64) in shapes) is (sparse is False), sorted(shapes, key=math.prod)[-3:]
         assert all(t.weight.dtype == torch.float32 and not t.sparse for t in tables)  # trained in fp32; restored
