@@ -6,13 +6,14 @@ in one run.
 
 A random STEM model of `--shape` (SmolLM2-135M's by default: hidden 576, d_ff 1536, 30 layers, vocab 49152), tables
 in `--table-dtype`, LoRA r=8 on attention and the dense FFN projections and `--tokens` trained ids per table (the
-`--tokens` most frequent under the batch's Zipf distribution, so that the batch holds them). Two modes: `train` (forward
-with labels, backward, torch's AdamW step over the adapter at learning rate 0: the same work, and every step sees the
-same weights) and `inference` (a forward under `inference_mode`), each
-timed both ways in turn round by round (`bench_gpu.paired_s`). Per mode: `rows_ms` and `peft_ms` (medians),
-`speedup` (PEFT's time over the rows path's), and from one more step each way, untimed: `*_allocated_mib` (the bytes
-of every tensor the step's operations made, summed: a dispatch mode sees each), `*_largest` (the largest tensor's
-shape), `*_table_copies` (tensors of a table's shape) and `logits_max_diff` (the rows path's logits against PEFT's).
+`--tokens` most frequent under the batch's Zipf distribution, so that the batch holds most of them:
+`trained_ids_in_batch`). Two modes: `train` (forward with labels, backward, torch's AdamW step over the adapter at
+learning rate 0: the same work, and every step sees the same weights) and `inference` (a forward under
+`inference_mode`), each timed both ways in turn round by round (`bench_gpu.paired_s`). Per mode: `rows_ms` and
+`peft_ms` (medians), `speedup` (PEFT's time over the rows path's), and from one more step each way, untimed:
+`*_allocated_mib` (the bytes of every tensor the step's operations made, summed: a dispatch mode sees each),
+`*_largest` (the largest tensor's shape), `*_table_copies` (tensors of a table's shape) and `logits_max_diff` (the
+rows path's logits against PEFT's).
 PEFT's own path is what a hook on the token wrapper gives (`trained_tokens` leaves a hooked module to its forward).
 
     .venv/bin/python benchmarks/bench_peft_tokens.py            # this CPU: bench_peft_tokens.json

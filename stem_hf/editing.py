@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .checkpoint_stem import FREED_TABLES, unsaved_id
-from .modeling_stem import StemLookup
+from .modeling_stem import StemLookup, unwrapped_tables
 
 STRATEGIES = ("clone", "filler", "subset", "mean")
 RENAMED_STRATEGIES = {"pad": "clone"}  # old name: current name
@@ -174,7 +174,9 @@ def _point_ids(input_ids: torch.Tensor, edits: Sequence[StemEdit], found: list) 
 
 
 def check_edits(model: nn.Module, edits: Sequence[StemEdit]) -> None:
-    """Raises unless `model` has STEM layers and every id of `edits` is in its vocabulary."""
+    """Raises unless `model` has STEM layers, unwrapped (`unwrapped_tables`), and every id of `edits` is in its
+    vocabulary."""
+    unwrapped_tables(model, "edit")
     if not model.config.stem_layers:
         raise ValueError("edit: this model has no STEM layers, so no table rows to edit")
     vocab = model.config.vocab_size

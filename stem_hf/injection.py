@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .checkpoint_stem import unsaved_id
+from .modeling_stem import unwrapped_tables
 
 
 @dataclass
@@ -58,6 +59,7 @@ class _TrainableRows:
 
 def _check_injection(model: nn.Module, texts: Sequence[str], token: int) -> None:
     """Raises on what would make the injection fail or train nothing, before any work."""
+    unwrapped_tables(model, "inject_fact")
     if not getattr(model.config, "stem_layers", None):
         raise ValueError("inject_fact: this model has no STEM layers, so no table rows to write a fact into")
     vocab = model.config.vocab_size

@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -367,12 +368,44 @@ def trained_tokens(module: nn.Module) -> StemTrainedRows | None:
     return StemTrainedRows(table, list(ids), rows)
 
 
+def unwrapped_tables(model: nn.Module, what: str) -> "StemTables":
+    """`model`'s tables, for `what` to copy or write their rows: raises, naming `what`, where `model` is no STEM model
+    (a PEFT model among them) or PEFT wraps its tables (trainable tokens, `modules_to_save`), whose rows a copy would
+    take merged once, never following the adapter, and a write would put into a merged copy, lost."""
+    tables = getattr(getattr(model, "base_model", None), "stem_tables", None)
+    if not isinstance(tables, StemTables):
+        raise ValueError(
+            f"{what}: {type(model).__name__} is not a STEM model (StemForCausalLM, StemModel); for a PEFT model, use "
+            "the model its adapter merges into: peft_model.merge_and_unload()"
+        )
+    wrapped = {key: type(table).__name__ for key, table in tables.items() if not isinstance(table, StemTable)}
+    if wrapped:
+        raise ValueError(
+            f"{what}: STEM tables {wrapped} are wrapped (PEFT's trainable tokens or modules_to_save): merge the "
+            "adapter into the model first (peft_model.merge_and_unload())"
+        )
+    return tables
+
+
+_TRAINED_INDEX = WeakIdKeyDictionary()  # trained rows -> (their ids, device, the ids sorted, each one's place)
+
+
+def trained_index(trained: StemTrainedRows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trained ids sorted, on `device`, and each one's place among the trained rows. Kept per trained rows and
+    device: made from the host's list of ids, a copy that waits for the device, once, not per layer and forward."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(trained.ids, device=device).sort()
+    held = _TRAINED_INDEX.get(trained.rows)
+    if held is None or held[0] != trained.ids or held[1] != device:
+        held = _TRAINED_INDEX[trained.rows] = (trained.ids, device, *torch.tensor(trained.ids, device=device).sort())
+    return held[2], held[3]
+
+
 def with_trained_rows(rows: torch.Tensor, ids: torch.Tensor, trained: StemTrainedRows) -> torch.Tensor:
     """`rows` (of `ids`) with the trained rows in place of the table's at their ids, as PEFT's merged table gives them:
     the gradient reaches the trained rows through the positions holding their ids only, and no `[vocab, d_ff]` tensor
     is made."""
-    index = torch.tensor(trained.ids, device=ids.device)
-    known, order = index.sort()
+    known, order = trained_index(trained, ids.device)
     at = torch.searchsorted(known, ids).clamp_(max=len(known) - 1)
     hit = known[at] == ids
     return torch.where(hit.unsqueeze(-1), trained.rows.to(rows)[order[at]], rows)
@@ -728,6 +761,9 @@ class StemTableRows:
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         if layer_idx in self.outside_rows:
             return self.outside_rows[layer_idx]
+        module = self.tables[str(layer_idx)]
+        if "token_adapter" not in module._modules:  # no call here: a decoding step asks per STEM layer
+            return self._rows(layer_idx, module)
         table, trained = self.source(layer_idx)
         rows = self._rows(layer_idx, table)
         return rows if trained is None else with_trained_rows(rows, self.stem_input_ids, trained)
@@ -740,7 +776,7 @@ class StemTableRows:
         return (module, None) if trained is None else (trained.table, trained)
 
     def _rows(self, layer_idx: int, table: nn.Module) -> torch.Tensor:
-        weight = base_table(table).weight
+        weight = table.weight if type(table) is StemTable else base_table(table).weight
         if weight.shape[0] == 0:
             raise RuntimeError(f"STEM table {layer_idx}: {FREED_TABLES}")
         if torch.compiler.is_compiling() and outside_graph(table):  # layers compiled one by one: this layer's alone
@@ -757,10 +793,11 @@ class StemTableRows:
         """Layer `layer_idx`'s rows as `self[layer_idx]` gives them or, where the layer gathers them inside its own
         kernel (`fuses`), what to gather from: the table and the ids (with the distinct ids where the table's gradient
         is sparse over them), or the rows moved from host memory and each position's place among them."""
-        table, trained = self.source(layer_idx)
-        fused = self._fusing and trained is None and self.fuses(table)  # `_fusing` first: no call
-        if not fused or table.weight.shape[0] == 0:
+        table = self.tables[str(layer_idx)]
+        if "token_adapter" in table._modules:  # PEFT's trainable tokens: the rows, the trained ones put in
             return self[layer_idx]
+        if not (self._fusing and self.fuses(table)) or table.weight.shape[0] == 0:  # `_fusing` first: no call
+            return self.outside_rows[layer_idx] if layer_idx in self.outside_rows else self._rows(layer_idx, table)
         if not self.host_served(table):
             settle(table.weight)
             if self.distinct_grad(table):
@@ -800,7 +837,7 @@ class StemTableRows:
 
     def host_served(self, table: nn.Embedding) -> bool:
         """Whether `table` lives on another device than the ids (meta: an accelerate hook brings the weight)."""
-        device = base_table(table).weight.device
+        device = (table.weight if type(table) is StemTable else base_table(table).weight).device
         return device != self._device and device.type != "meta"
 
     def distinct(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1071,11 +1108,11 @@ class StemTables(nn.ModuleDict):
         self.config = config
 
     def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
-        tables = [base_table(t) for t in self.values()]  # PEFT's trainable tokens would copy a table per `weight`
-        if self.training and torch.is_grad_enabled():
-            low = {
-                str(t.weight.dtype)[6:] for t in tables if t.weight.requires_grad and t.weight.dtype != torch.float32
-            }
+        # Under PEFT's trainable tokens, the tables themselves: a read of the wrapper's `weight` copies the whole table.
+        tables = [base_table(t) for t in self.values()] if torch.is_grad_enabled() else []
+        if self.training and tables:
+            weights = [w for t in self.values() for part in _trained_parts(t) for w in part.parameters()]
+            low = {str(w.dtype)[6:] for w in weights if w.requires_grad and w.dtype != torch.float32}
             if low:
                 logger.warning_once(
                     f"training STEM tables in {', '.join(sorted(low))}: updates smaller than 1/256 of a value are lost "
@@ -1083,7 +1120,7 @@ class StemTables(nn.ModuleDict):
                     "DDP/FSDP (train() does it when torch.distributed is not initialized) to train them in float32"
                 )
         rows = StemTableRows(self, stem_input_ids)
-        if torch.is_grad_enabled() and any(not rows.host_served(t) and rows.distinct_grad(t) for t in tables):
+        if any(not rows.host_served(t) and rows.distinct_grad(t) for t in tables):
             rows.distinct_here()  # now, while the id check has just emptied the queue: its sync waits for little
         return rows
 
@@ -1121,8 +1158,10 @@ class StemTables(nn.ModuleDict):
                 part.to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
         numel = sum(w.numel() for parts in casts.values() for part in parts for w in part.parameters())
         keys = list(casts)
+        rows_only = not any(isinstance(part, StemTable) for parts in casts.values() for part in parts)
         logger.warning_once(
-            f"STEM tables {keys} train in float32: cast from {stored} in memory "
+            f"{'The rows PEFT trains of ' if rows_only else ''}STEM tables {keys} train in float32: cast from {stored} "
+            "in memory "
             f"({numel * 4 / 2**30:.2f} GiB), and saves write them in float32 "
             "(save_pretrained(..., table_dtype='bfloat16') rounds them). Freeze them (requires_grad_(False)) or set "
             "model.base_model.stem_tables.upcast_for_training = False to keep them as stored"
@@ -1343,8 +1382,8 @@ class StemPreTrainedModel(PreTrainedModel):
             table.to(self.config.torch_table_dtype)
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
-        """Also resizes every STEM table; new rows are the mean of the old ones (`mean_resizing`) or xavier-normal."""
-        self.base_model.stem_tables.check_not_freed("resize_token_embeddings")  # before the embeddings change
+        """Also resizes every STEM table (refused if freed or PEFT-wrapped); new rows: the old ones' mean or xavier."""
+        unwrapped_tables(self, "resize_token_embeddings").check_not_freed("resize_token_embeddings")
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.base_model.stem_tables.resize(embeddings.num_embeddings, mean_resizing)
         return embeddings
@@ -1698,7 +1737,9 @@ __all__ = [
     "rows_dynamic",
     "rows_outside_graph",
     "settle",
+    "trained_index",
     "trained_tokens",
+    "unwrapped_tables",
     "with_trained_rows",
     "xavier_normal_std",
 ]

@@ -52,7 +52,15 @@ from .checkpoint_stem import (
     reading_checkpoint,
 )
 from .mapped import map_safetensors
-from .modeling_stem import StemLookup, check_token_ids, fetch_rows, gather_rows, layers_ahead, lookup_fuses
+from .modeling_stem import (
+    StemLookup,
+    check_token_ids,
+    fetch_rows,
+    gather_rows,
+    layers_ahead,
+    lookup_fuses,
+    unwrapped_tables,
+)
 from .system import available_memory, check_disk_room
 
 BUILD_ROWS = 4096  # vocabulary rows copied at a time while building the store
@@ -485,8 +493,10 @@ class StemOffloadEngine:
         if pipeline_ids is not None and (pipeline_ids < 1 or cache_tokens):
             problem = "is below 1" if pipeline_ids < 1 else "is an option of an engine without a row cache"
             raise ValueError(f"pipeline_ids: {pipeline_ids} {problem}")
+        # The engine serves a copy of the tables' rows: it would not follow an adapter's (set_adapter,
+        # disable_adapter, training), and freeing the tables would go through PEFT's wrapper.
+        self.model, self.tables_module = model, unwrapped_tables(model, "StemOffloadEngine")
         base = model.base_model
-        self.model, self.tables_module = model, base.stem_tables
         self.device = torch.device(device) if device is not None else base.embed_tokens.weight.device
         if store is not None:
             if int8 or dtype is not None or free_tables:

@@ -12,6 +12,7 @@
 import contextlib
 import copy
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,11 @@ PAPER_ARGUMENTS = {
     "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
 }
 RECIPES = ("stem-hf", "paper")
+# What PEFT trains of a table under its own names, per adapter: the rows of trainable tokens (`lora_config(token_ids=
+# ...)`), or a whole copy (`modules_to_save`).
+PEFT_TABLE_KEY = re.compile(
+    r"(?:^|\.)stem_tables\.\d+\.(?:token_adapter\.trainable_tokens_delta\.[^.]+|modules_to_save\.[^.]+\.weight)$"
+)
 _PAPER_ARGUMENTS = copy.deepcopy(PAPER_ARGUMENTS)  # what the check compares with: `TrainingArguments` keeps the dict
 STATE_DTYPE = torch.float32  # moments and the update math, whatever the parameter dtype
 # Elements of a host table's rows updated per pass: a chunk's temporaries reuse a few megabytes, where whole-batch
@@ -252,15 +258,19 @@ def param_groups(
     table_weight_decay: float = 0.0,
     row_sparse_tables: bool = False,
 ) -> list[dict]:
-    """Three optimizer groups over the trainable parameters: `decay` (matrices, the token embedding included, as
-    Trainer does), `no_decay` (norms and biases) and `tables` (`lr=table_lr or lr`, `weight_decay=table_weight_decay`,
-    `row_sparse=row_sparse_tables`). Empty groups are left out; each group has a `name`."""
-    decay, no_decay, tables = [], [], []
+    """Four optimizer groups over the trainable parameters: `decay` (matrices, the token embedding included, as
+    Trainer does), `no_decay` (norms and biases), `tables` (`lr=table_lr or lr`, `weight_decay=table_weight_decay`,
+    `row_sparse=row_sparse_tables`) and `peft_tables` (what PEFT trains of a table under its own names: the rows of
+    trainable tokens, a `modules_to_save` copy; as the tables, with dense gradients). Empty groups are left out; each
+    group has a `name`."""
+    decay, no_decay, tables, peft_tables = [], [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if TABLE_KEY.search(name):
             tables.append(param)
+        elif PEFT_TABLE_KEY.search(name):
+            peft_tables.append(param)
         elif param.ndim < 2:
             no_decay.append(param)
         else:
@@ -274,6 +284,13 @@ def param_groups(
             "lr": lr if table_lr is None else table_lr,
             "weight_decay": table_weight_decay,
             "row_sparse": row_sparse_tables,
+        },
+        {
+            "name": "peft_tables",
+            "params": peft_tables,
+            "lr": lr if table_lr is None else table_lr,
+            "weight_decay": table_weight_decay,
+            "row_sparse": False,
         },
     ]
     return [group for group in groups if group["params"]]
@@ -1157,6 +1174,7 @@ def adam_state_bytes(model: nn.Module, rows_seen: int | None = None) -> dict[str
 __all__ = [
     "LORA_TARGETS",
     "PAPER_ARGUMENTS",
+    "PEFT_TABLE_KEY",
     "COMPILED_DENSE_MIN_ELEMENTS",
     "DENSE_STEP_BYTES",
     "FUSED_HOST_ROWS",

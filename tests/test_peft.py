@@ -105,24 +105,39 @@ def test_an_adapter_loads_through_peft_and_through_transformers_load_adapter(tmp
 # PEFT's trainable tokens as rows: the layer looks the table up and puts the trained rows in (issue 36)
 
 
-def _token_model(vocab: int = 96, **config):
-    """A LoRA model with `ROWS` trained as tokens, its trained rows and LoRA's B moved off their initial values (so
-    that outputs and gradients show where each is used)."""
+def _token_model(vocab: int = 96, config=None):
+    """A LoRA model with `ROWS` trained as tokens (or `config`'s), its trained rows and LoRA's B moved off their
+    initial values (so that outputs and gradients show where each is used)."""
     torch.manual_seed(0)
     base = tiny_model(vocab_size=vocab, table_dtype="float32")
-    model = get_peft_model(base, lora_config(base, r=4, token_ids=ROWS, **config))
+    model = get_peft_model(base, config or lora_config(base, r=4, token_ids=ROWS))
+    _perturb(model, "default")
+    return model
+
+
+def _perturb(model, adapter: str) -> None:
+    """Moves `adapter`'s trained rows and LoRA B off their initial values."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "trainable_tokens_delta" in name or "lora_B" in name:
+            if name.endswith(f".{adapter}") and ("trainable_tokens_delta" in name or "lora_B" in name):
                 param.normal_(0, 0.5)
-    return model
+
+
+def _with_peft_forward(model, fn):
+    """`fn()` with PEFT's own forward of the trainable tokens (`_peft_forward`)."""
+    handles = _peft_forward(model)
+    try:
+        return fn()
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _peft_forward(model) -> list:
     """Makes the model call PEFT's own forward of its trainable tokens (a merged copy of each table): any hook on the
     wrapper hands the lookup to it. Returns the hooks' handles."""
     wrappers = [m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"]
-    assert len(wrappers) == 2
+    assert wrappers
     return [wrapper.register_forward_pre_hook(lambda *args: None) for wrapper in wrappers]
 
 
@@ -130,11 +145,13 @@ def _step(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tenso
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    named = model.named_parameters()
+    return out.logits.detach(), {n.removeprefix("_orig_mod."): p.grad for n, p in named if p.requires_grad}
 
 
-# Trained ids repeated and alone, untrained ids between them, a trained id (40) in the second sequence only.
-TOKEN_IDS = torch.tensor([[ROWS[0], 3, ROWS[1], 7, ROWS[0], 11, 2, 13], [ROWS[2], ROWS[2], 6, ROWS[0], 8, 9, 10, 4]])
+# Trained ids repeated and alone, untrained ids between them and above the largest trained one, a trained id (40) in
+# the second sequence only.
+TOKEN_IDS = torch.tensor([[ROWS[0], 3, ROWS[1], 7, ROWS[0], 11, 90, 13], [ROWS[2], ROWS[2], 6, ROWS[0], 8, 95, 10, 4]])
 
 
 def test_trainable_tokens_give_the_outputs_and_gradients_of_peft_merged_tables():
@@ -143,10 +160,7 @@ def test_trainable_tokens_give_the_outputs_and_gradients_of_peft_merged_tables()
     PEFT merges for good."""
     model = _token_model().train()
     logits, grads = _step(model, TOKEN_IDS)
-    handles = _peft_forward(model)
-    expected_logits, expected = _step(model, TOKEN_IDS)
-    for handle in handles:
-        handle.remove()
+    expected_logits, expected = _with_peft_forward(model, lambda: _step(model, TOKEN_IDS))
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     assert grads.keys() == expected.keys() and any("trainable_tokens_delta" in n for n in grads)
     for name, grad in grads.items():
@@ -175,44 +189,77 @@ def test_trainable_tokens_never_copy_a_table(vocab):
         assert ((vocab, 64) in trained) is peft_forward and ((vocab, 64) in inferred) is peft_forward
 
 
-def test_trainable_tokens_off_merged_or_hooked_are_served_by_peft_as_before(tmp_path):
-    """Adapters disabled: the base model's outputs; merged into the table: the trained outputs; with several adapters
-    loaded, the one set active is used."""
+@torch.no_grad()
+def test_trainable_tokens_follow_the_active_adapter_and_leave_the_rest_to_peft():
+    """Adapters disabled: the base model's outputs; another adapter set active: its rows (PEFT's own outputs for it);
+    a mixed batch (`adapter_names`, whose hooks hand the lookup to PEFT): each row's adapter's outputs; merged into the
+    table: the trained outputs."""
     model = _token_model().eval()
     torch.manual_seed(0)
     plain = tiny_model(table_dtype="float32").eval()
-    with torch.no_grad():
-        trained = model(input_ids=TOKEN_IDS).logits
-        with model.disable_adapter():
-            torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, plain(input_ids=TOKEN_IDS).logits)
-        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=0, atol=0)
-    model.save_pretrained(tmp_path / "first")
-    model.add_adapter("second", lora_config(plain, r=4, token_ids=[3, 7]))
+    trained = model(input_ids=TOKEN_IDS).logits
+    with model.disable_adapter():
+        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, plain(input_ids=TOKEN_IDS).logits)
+    torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=0, atol=0)
+    model.add_adapter("second", lora_config(plain, r=4, token_ids=[3, 7, 9]))  # 9 is the first adapter's too
+    _perturb(model, "second")
     model.set_adapter("second")
-    with torch.no_grad():
-        second = model(input_ids=TOKEN_IDS).logits
-        model.set_adapter("default")
-        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=0, atol=0)
-    assert not torch.allclose(second, trained)
+    second = model(input_ids=TOKEN_IDS).logits
+    torch.testing.assert_close(second, _with_peft_forward(model, lambda: model(input_ids=TOKEN_IDS).logits))
+    assert not torch.allclose(second, trained, atol=1e-3)
+    model.set_adapter("default")
+    torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=0, atol=0)
+    mixed = model(input_ids=TOKEN_IDS, adapter_names=["second", "default"]).logits
+    torch.testing.assert_close(mixed, torch.stack([second[0], trained[1]]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=0, atol=0)  # the hooks are gone
     for wrapper in (m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"):
         wrapper.token_adapter.merge(adapter_names=["default"])
+    torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_trainable_tokens_in_any_order_and_compiled_give_peft_outputs():
+    """Trained ids in no order (PEFT's own config; `lora_config` sorts them): each id gets its own row. Under
+    `torch.compile(fullgraph=True)`, in inference and training, the eager outputs and gradients."""
+    from peft import LoraConfig
+
+    indices = [40, 5, 90, 9]
+    config = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices={"stem_tables.1": indices})
+    model = _token_model(config=config).train()
+    logits, grads = _step(model, TOKEN_IDS)
+    expected_logits, expected = _with_peft_forward(model, lambda: _step(model, TOKEN_IDS))
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    delta = next(g for n, g in grads.items() if "trainable_tokens_delta" in n)
+    assert delta.abs().sum(1).gt(0).tolist() == [True, True, True, True]
+
+    compiled = torch.compile(model, fullgraph=True)
+    compiled_logits, compiled_grads = _step(compiled, TOKEN_IDS)
+    torch.testing.assert_close(compiled_logits, logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, trained, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled.eval()(input_ids=TOKEN_IDS).logits, logits, rtol=1e-5, atol=1e-5)
 
 
 def test_trainable_tokens_on_host_tables_are_fetched_ahead_with_the_resident_outputs(monkeypatch):
     """With the tables in host memory (served as a model on an accelerator serves them, the ids on the CPU here), the
-    worker fetches the tables' rows ahead, as for a plain table, and the trained rows go in after: the resident
-    logits and gradients."""
+    tables' rows are fetched as a plain table's (a small inference forward's all at once, a training forward's ahead
+    by the worker), and the trained rows go in after: the resident logits and gradients."""
     model = _token_model().train()
     logits, grads = _step(model, TOKEN_IDS)
-    fetched, fetch = [], StemTableRows._fetch
-    monkeypatch.setattr(modeling_stem, "HOST_AT_ONCE_MAX_IDS", 0)  # inference forwards fetched ahead too
+    fetched, fetch, at_once = [], StemTableRows._fetch, StemTableRows._fetch_at_once
     monkeypatch.setattr(StemTableRows, "host_served", lambda self, table: True)
+    monkeypatch.setattr(StemTableRows, "_fetch_at_once", lambda self: fetched.append("at once") or at_once(self))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=TOKEN_IDS).logits, logits, rtol=0, atol=0)
+    assert fetched == ["at once"]
+    fetched.clear()
+    monkeypatch.setattr(modeling_stem, "HOST_AT_ONCE_MAX_IDS", 0)  # inference forwards fetched ahead too
     monkeypatch.setattr(
         StemTableRows, "_fetch", lambda self, table, *args: fetched.append(table) or fetch(self, table, *args)
     )
-    host_logits, host_grads = _step(model, TOKEN_IDS)
+    host_logits, host_grads = _step(model.train(), TOKEN_IDS)
     tables = [m.token_adapter.base_layer for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"]
     assert fetched == tables and all(type(t) is StemTable for t in tables)
     torch.testing.assert_close(host_logits, logits, rtol=0, atol=0)
@@ -224,24 +271,76 @@ def test_trainable_tokens_on_host_tables_are_fetched_ahead_with_the_resident_out
 
 
 def test_train_casts_the_trained_rows_to_float32_and_leaves_the_table_peft_freezes_as_stored():
-    """bf16 tables under trainable tokens: `train()` casts the trained rows (which train) to float32, never the frozen
-    table (it cast a copy of the whole table before, as if the table trained), and the outputs are PEFT's own."""
+    """bf16 tables and bf16 trained rows (PEFT keeps an adapter's dtype with `autocast_adapter_dtype=False`): `train()`
+    casts the trained rows, which train, to float32, never the frozen table (it cast the whole table before, as if the
+    table trained), and the outputs are PEFT's own."""
     torch.manual_seed(0)
     base = tiny_model(table_dtype="bfloat16")
-    model = get_peft_model(base, lora_config(base, r=4, token_ids=ROWS)).train()
+    model = get_peft_model(base, lora_config(base, r=4, token_ids=ROWS), autocast_adapter_dtype=False)
     wrappers = [m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"]
     assert len(wrappers) == 2
+    assert all(w.token_adapter.trainable_tokens_delta["default"].dtype == torch.bfloat16 for w in wrappers)
+    model.train()
     for wrapper in wrappers:
         assert wrapper.token_adapter.base_layer.weight.dtype == torch.bfloat16
         assert wrapper.token_adapter.trainable_tokens_delta["default"].dtype == torch.float32
     logits, grads = _step(model, TOKEN_IDS)
-    handles = _peft_forward(model)
-    expected_logits, expected = _step(model, TOKEN_IDS)
-    for handle in handles:
-        handle.remove()
+    expected_logits, expected = _with_peft_forward(model, lambda: _step(model, TOKEN_IDS))
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("peft_kwargs", [{"token_ids": ROWS}, {"modules_to_save": ["stem_tables.1"]}])
+def test_the_offload_engine_refuses_tables_peft_wraps_and_serves_the_merged_model(peft_kwargs):
+    """The engine serves a copy of the tables' rows, which would not follow an adapter: it refuses a PEFT model and a
+    model whose tables PEFT wraps, naming the way out, and serves the merged model's logits."""
+    from stem_hf.offload import StemOffloadEngine
+
+    base = _base()
+    model = get_peft_model(base, lora_config(base, r=4, **peft_kwargs)).eval()
+    with pytest.raises(ValueError, match=r"PeftModelForCausalLM is not a STEM model .*merge_and_unload\(\)"):
+        StemOffloadEngine(model)
+    with pytest.raises(ValueError, match=r"STEM tables \{'1': '.*Wrapper'.*\} are wrapped .*merge_and_unload\(\)"):
+        StemOffloadEngine(model.base_model.model)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        expected = merged(input_ids=TOKEN_IDS).logits
+        with StemOffloadEngine(merged):
+            torch.testing.assert_close(merged(input_ids=TOKEN_IDS).logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_edits_and_injections_refuse_tables_peft_wraps(wrapped):
+    """An edit or an injection writes (or reads) the tables' rows: through PEFT's wrapper, a write went to a merged
+    copy and was lost. Both refuse a model whose tables PEFT wraps, and a PEFT model, naming the way out."""
+    from stem_hf.editing import StemEdit, StemEditor, persist_edit, persisted
+    from stem_hf.injection import inject_fact
+
+    model = _token_model().eval()
+    target = model.base_model.model if wrapped else model
+    problem = "STEM tables .* are wrapped" if wrapped else "PeftModelForCausalLM is not a STEM model"
+    edit = StemEdit(source=(ROWS[0],), target=(11,))
+    with pytest.raises(ValueError, match=rf"edit: {problem}.*merge_and_unload\(\)"):
+        persist_edit(target, edit)
+    with pytest.raises(ValueError, match=rf"edit: {problem}.*merge_and_unload\(\)"):
+        StemEditor(target, [edit])
+    with pytest.raises(ValueError, match=rf"edit: {problem}.*merge_and_unload\(\)"), persisted(target, edit):
+        pass
+    with pytest.raises(ValueError, match=rf"inject_fact: {problem}.*merge_and_unload\(\)"):
+        inject_fact(target, None, ["a fact"], 11)
+
+
+def test_resizing_the_vocabulary_refuses_tables_peft_wraps():
+    """New tables would replace PEFT's wrappers, dropping the trained rows: refused before anything changes."""
+    model = _token_model().eval()
+    with torch.no_grad():
+        before = model(input_ids=TOKEN_IDS).logits
+    with pytest.raises(ValueError, match=r"resize_token_embeddings: STEM tables .* are wrapped .*merge_and_unload"):
+        model.resize_token_embeddings(128)
+    assert model.get_input_embeddings().num_embeddings == 96
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, before, rtol=0, atol=0)
 
 
 def test_the_peft_tokens_benchmark_finds_table_copies_in_peft_forward_only(tmp_path, monkeypatch):
@@ -296,10 +395,11 @@ def test_peft_prompt_tuning_trains_and_generates_with_soft_prompts_on_zero_rows(
     assert generated[0, -1] == by_hand[0, -1].argmax()
 
 
-@pytest.mark.parametrize("peft_kwargs", [{"token_ids": [5, 7]}, {"modules_to_save": ["stem_tables.1"]}])
+@pytest.mark.parametrize("peft_kwargs", [{"token_ids": [40, 50]}, {"modules_to_save": ["stem_tables.1"]}])
 def test_stem_trainer_trains_a_peft_model_with_dense_gradients_for_tables_peft_renames(tmp_path, peft_kwargs):
-    """PEFT's copies of a table are named otherwise than `stem_tables.N.weight`, so `param_groups` puts them in a dense
-    group; `StemTrainer`'s default leaves their gradients dense (a sparse one there would be refused)."""
+    """PEFT's copies of a table (trained rows, a whole copy) are named otherwise than `stem_tables.N.weight`, so
+    `param_groups` puts them in a dense group of their own, at the tables' rate and decay; `StemTrainer`'s default
+    leaves their gradients dense (a sparse one there would be refused)."""
     from transformers import TrainingArguments
 
     from stem_hf.training import StemTrainer
@@ -308,7 +408,19 @@ def test_stem_trainer_trains_a_peft_model_with_dense_gradients_for_tables_peft_r
     model = get_peft_model(base, lora_config(base, r=4, **peft_kwargs))
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
                              save_strategy="no", use_cpu=True, learning_rate=1e-2, disable_tqdm=True)  # fmt: skip
-    trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(8))
+    args.weight_decay = 0.1
+    trainer = StemTrainer(model=model, args=args, train_dataset=_dataset(8), table_lr=3e-2)
     assert not trainer.sparse_table_grads
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer.train()
     assert trainer.state.global_step == 2
+    # What PEFT trains of the tables trains as the tables do: at the tables' rate, without decay (which would shrink
+    # every trained row at each step, its token in the batch or not), with dense gradients.
+    groups = {g["name"]: g for g in trainer.optimizer.param_groups}
+    peft_tables = {id(p) for p in groups["peft_tables"]["params"]}
+    named = [n for n, p in model.named_parameters() if id(p) in peft_tables]
+    assert len(named) == (2 if "token_ids" in peft_kwargs else 1) and all(".stem_tables." in n for n in named), named
+    assert groups["peft_tables"]["initial_lr"] == 3e-2 and groups["peft_tables"]["weight_decay"] == 0.0
+    assert not groups["peft_tables"]["row_sparse"] and groups["decay"]["weight_decay"] == 0.1
+    unchanged = [n for n, p in model.named_parameters() if id(p) in peft_tables and torch.equal(before[n], p)]
+    assert not unchanged, unchanged

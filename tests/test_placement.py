@@ -86,7 +86,7 @@ def test_auto_map_is_sized_in_the_load_dtype():
 def test_rows_of_a_table_on_another_device_take_the_deduplicating_path(monkeypatch):
     model = tiny_model()
     seen = []
-    monkeypatch.setattr(StemTableRows, "host_rows", lambda self, layer: seen.append(self.stem_input_ids.device.type))
+    monkeypatch.setattr(StemTableRows, "host_rows", lambda self, *args: seen.append(self.stem_input_ids.device.type))
     StemTableRows(model.model.stem_tables, torch.zeros(1, 3, dtype=torch.long, device="meta"))[1]
     StemTableRows(model.model.stem_tables, torch.zeros(1, 3, dtype=torch.long))[1]
     assert seen == ["meta"]  # ids elsewhere than the table: deduplicate; same device: plain lookup
