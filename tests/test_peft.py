@@ -331,6 +331,23 @@ def test_edits_and_injections_refuse_tables_peft_wraps(wrapped):
         inject_fact(target, None, ["a fact"], 11)
 
 
+@torch.no_grad()
+def test_the_trained_ids_cross_to_the_device_once_per_adapter_not_per_layer_and_step():
+    """The sorted trained ids are made from the host's list (on an accelerator, a copy that waits for the device) once
+    per adapter's rows and device and kept: decoding steps reuse them; other ids under the same rows are remade."""
+    model = _token_model().eval()
+    made = []
+    tensor = torch.tensor
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling_stem.torch, "tensor", lambda *a, **k: made.append(a[0]) or tensor(*a, **k))
+        model.generate(TOKEN_IDS[:1], max_new_tokens=4, do_sample=False)
+        assert made.count(ROWS) == 2  # one per STEM table's rows, for the prompt and every step after
+        wrapper = next(m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper")
+        wrapper.token_adapter.token_indices["default"] = [9, 40, 5]  # the same rows, other ids
+        model(input_ids=TOKEN_IDS)
+        assert made.count([9, 40, 5]) == 1 and made.count(ROWS) == 2
+
+
 def test_resizing_the_vocabulary_refuses_tables_peft_wraps():
     """New tables would replace PEFT's wrappers, dropping the trained rows: refused before anything changes."""
     model = _token_model().eval()
