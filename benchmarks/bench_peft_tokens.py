@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -66,7 +67,7 @@ class Allocations(TorchDispatchMode):
         return out
 
 
-def build(args) -> torch.nn.Module:
+def build(args: argparse.Namespace) -> torch.nn.Module:
     """A random STEM model of `args.shape` with LoRA and trainable tokens, in float32 but for the tables."""
     torch.manual_seed(0)
     config = StemConfig(
@@ -83,7 +84,7 @@ def build(args) -> torch.nn.Module:
 
 
 @contextmanager
-def peft_forward(model: torch.nn.Module, enable: bool):
+def peft_forward(model: torch.nn.Module, enable: bool) -> Iterator[None]:
     """PEFT's own forward of the trainable tokens while `enable`: a hook on each wrapper hands it the lookup."""
     wrappers = [m for m in model.modules() if type(m).__name__ == "TrainableTokensWrapper"]
     handles = [w.register_forward_pre_hook(lambda *a: None) for w in wrappers] if enable else []
@@ -94,7 +95,7 @@ def peft_forward(model: torch.nn.Module, enable: bool):
             handle.remove()
 
 
-def train_step(model, ids: torch.Tensor, optimizer, peft: bool) -> torch.Tensor:
+def train_step(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, peft: bool) -> torch.Tensor:
     with peft_forward(model, peft):
         optimizer.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids)
@@ -103,19 +104,21 @@ def train_step(model, ids: torch.Tensor, optimizer, peft: bool) -> torch.Tensor:
     return out.logits.detach()
 
 
-def inference(model, ids: torch.Tensor, peft: bool) -> torch.Tensor:
+def inference(model: torch.nn.Module, ids: torch.Tensor, peft: bool) -> torch.Tensor:
     with peft_forward(model, peft), torch.inference_mode():
         return model(input_ids=ids).logits
 
 
-def measured(run, table_shape: tuple[int, int]) -> tuple[torch.Tensor, dict]:
+def measured(run: Callable[[], torch.Tensor], table_shape: tuple[int, int]) -> tuple[torch.Tensor, dict]:
     with Allocations(table_shape) as seen:
         logits = run()
     figures = {"allocated_mib": round(seen.bytes / 2**20, 1), "largest": list(seen.largest)}
     return logits, {**figures, "table_copies": seen.copies}
 
 
-def compare(run, repeats: int, device: torch.device, table_shape: tuple[int, int]) -> dict:
+def compare(
+    run: Callable[[bool], torch.Tensor], repeats: int, device: torch.device, table_shape: tuple[int, int]
+) -> dict:
     """`run(peft)` the rows path's way and PEFT's, timed in turn round by round, then measured once each."""
     times = paired_s([lambda: run(False), lambda: run(True)], repeats, device)
     rows_ms, peft_ms = (round(statistics.median(t) * 1e3, 3) for t in times)

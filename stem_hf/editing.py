@@ -174,9 +174,7 @@ def _point_ids(input_ids: torch.Tensor, edits: Sequence[StemEdit], found: list) 
 
 
 def check_edits(model: nn.Module, edits: Sequence[StemEdit]) -> None:
-    """Raises unless `model` has STEM layers, unwrapped (`unwrapped_tables`), and every id of `edits` is in its
-    vocabulary."""
-    unwrapped_tables(model, "edit")
+    """Raises unless `model` has STEM layers and every id of `edits` is in its vocabulary."""
     if not model.config.stem_layers:
         raise ValueError("edit: this model has no STEM layers, so no table rows to edit")
     vocab = model.config.vocab_size
@@ -277,6 +275,7 @@ def persist_edit(model: nn.Module, edit: StemEdit) -> None:
     Save with `save_pretrained`; a table memory-mapped from a checkpoint is copied on write, never its file. An
     attached offload engine serves the edited rows too (built in memory: one on a mapped store file refuses, before
     anything changes); tables it freed are edited in its copy, and come back edited when it detaches."""
+    unwrapped_tables(model, "persist_edit")  # through PEFT's wrappers a write would go to a merged copy, lost
     check_edits(model, [edit])
     if edit.strategy != "mean":  # mean gives every source token the same row: repeats agree
         wanted: dict[int, int] = {}
@@ -325,6 +324,7 @@ def persisted(model: nn.Module, edit: StemEdit) -> Iterator[None]:
     """`persist_edit` for the duration of a `with` block, then the source rows and the model's save id exactly as they
     were: to measure what a persisted edit does (to prompts without the source, say) and leave the model unchanged.
     The rows of an attached offload engine's copy are put back too."""
+    unwrapped_tables(model, "persisted")  # through PEFT's wrappers a write would go to a merged copy, lost
     check_edits(model, [edit])
     rows = list(edit.source)
     tables = model.base_model.stem_tables

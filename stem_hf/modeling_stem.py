@@ -363,22 +363,40 @@ def trained_tokens(module: nn.Module) -> StemTrainedRows | None:
     if names[0] not in deltas or names[0] not in getattr(module, "_adapters", ()) or ids is None:
         return None
     rows = deltas[names[0]]
-    if len(set(ids)) != len(ids) or rows.shape != (len(ids), table.embedding_dim):
+    if rows.shape != (len(ids), table.embedding_dim):
         return None
-    return StemTrainedRows(table, list(ids), rows)
+    ids, distinct, _ = _checked_ids(rows, ids)
+    return StemTrainedRows(table, ids, rows) if distinct else None
+
+
+# Per trained rows (an adapter's parameter): a copy of their ids, whether those are distinct, and per device the ids
+# sorted with each one's place among the rows. Kept, so that a forward compares the ids with the copy and no more.
+_TRAINED_IDS = WeakIdKeyDictionary()
+
+
+def _checked_ids(rows: torch.Tensor, ids: list[int]) -> tuple[list[int], bool, dict]:
+    """`ids` as kept for `rows` (compared whole: a list changed in place is seen), whether they are distinct, and the
+    sorted index kept for them per device."""
+    if torch.compiler.is_compiling():
+        return list(ids), len(set(ids)) == len(ids), {}
+    held = _TRAINED_IDS.get(rows)
+    if held is None or held[0] != ids:
+        held = _TRAINED_IDS[rows] = (list(ids), len(set(ids)) == len(ids), {})
+    return held
 
 
 def unwrapped_tables(model: nn.Module, what: str) -> "StemTables":
     """`model`'s tables, for `what` to copy or write their rows: raises, naming `what`, where `model` is no STEM model
     (a PEFT model among them) or PEFT wraps its tables (trainable tokens, `modules_to_save`), whose rows a copy would
     take merged once, never following the adapter, and a write would put into a merged copy, lost."""
+    # Not this file's classes: a checkpoint loaded with trust_remote_code brings its own copy of them
     tables = getattr(getattr(model, "base_model", None), "stem_tables", None)
-    if not isinstance(tables, StemTables):
+    if not isinstance(tables, nn.ModuleDict):
         raise ValueError(
             f"{what}: {type(model).__name__} is not a STEM model (StemForCausalLM, StemModel); for a PEFT model, use "
             "the model its adapter merges into: peft_model.merge_and_unload()"
         )
-    wrapped = {key: type(table).__name__ for key, table in tables.items() if not isinstance(table, StemTable)}
+    wrapped = {key: type(table).__name__ for key, table in tables.items() if not isinstance(table, nn.Embedding)}
     if wrapped:
         raise ValueError(
             f"{what}: STEM tables {wrapped} are wrapped (PEFT's trainable tokens or modules_to_save): merge the "
@@ -387,18 +405,15 @@ def unwrapped_tables(model: nn.Module, what: str) -> "StemTables":
     return tables
 
 
-_TRAINED_INDEX = WeakIdKeyDictionary()  # trained rows -> (their ids, device, the ids sorted, each one's place)
-
-
 def trained_index(trained: StemTrainedRows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The trained ids sorted, on `device`, and each one's place among the trained rows. Kept per trained rows and
     device: made from the host's list of ids, a copy that waits for the device, once, not per layer and forward."""
-    if torch.compiler.is_compiling():
+    held = None if torch.compiler.is_compiling() else _TRAINED_IDS.get(trained.rows)
+    if held is None or held[0] is not trained.ids:  # under compile, or ids not `trained_tokens`'s: made afresh
         return torch.tensor(trained.ids, device=device).sort()
-    held = _TRAINED_INDEX.get(trained.rows)
-    if held is None or held[0] != trained.ids or held[1] != device:
-        held = _TRAINED_INDEX[trained.rows] = (trained.ids, device, *torch.tensor(trained.ids, device=device).sort())
-    return held[2], held[3]
+    if device not in held[2]:
+        held[2][device] = torch.tensor(trained.ids, device=device).sort()
+    return held[2][device]
 
 
 def with_trained_rows(rows: torch.Tensor, ids: torch.Tensor, trained: StemTrainedRows) -> torch.Tensor:
@@ -406,7 +421,7 @@ def with_trained_rows(rows: torch.Tensor, ids: torch.Tensor, trained: StemTraine
     the gradient reaches the trained rows through the positions holding their ids only, and no `[vocab, d_ff]` tensor
     is made."""
     known, order = trained_index(trained, ids.device)
-    at = torch.searchsorted(known, ids).clamp_(max=len(known) - 1)
+    at = torch.searchsorted(known, ids.contiguous()).clamp_(max=len(known) - 1)
     hit = known[at] == ids
     return torch.where(hit.unsqueeze(-1), trained.rows.to(rows)[order[at]], rows)
 
@@ -750,7 +765,7 @@ class StemTableRows:
         self._unique_here = None
         self._ahead: dict[int, Future[_Fetched] | _Fetched] = {}  # under way on the worker, or fetched at once
         self._served: set[int] = set()
-        self._layers: list[int] | None = None
+        self._layers: dict[int, nn.Embedding] | None = None
         self._at_once: bool | None = None
         # This forward's part of `fuses`. A compiled train step never fuses: asked, its token count would be a guard.
         compiled_training = torch.is_grad_enabled() and torch.compiler.is_compiling()
@@ -908,13 +923,20 @@ class StemTableRows:
             self._at_once = not torch.is_grad_enabled() and len(self.distinct()[0]) <= HOST_AT_ONCE_MAX_IDS
         return self._at_once
 
-    def pipelined_layers(self) -> list[int]:
-        """The host-table layers whose rows come before their ask (a freed table raises when its layer asks). Asked
-        outside compiled code only, where `pipelined` holds for the whole forward."""
+    def pipelined_layers(self) -> dict[int, nn.Embedding]:
+        """The host-table layers whose rows come before their ask (a freed table raises when its layer asks), each
+        with the table its rows come from (`source`). Asked outside compiled code only, where `pipelined` holds for the
+        whole forward."""
         if self._layers is None:
-            served = [(layer, self.source(layer)[0]) for layer in map(int, self.tables)]
-            served = [(layer, t) for layer, t in served if self.host_served(t) and self.pipelined(t)]
-            self._layers = [layer for layer, table in served if table.weight.shape[0] != 0]
+            served = {
+                int(k): t if "token_adapter" not in t._modules else self.source(int(k))[0]
+                for k, t in self.tables.items()
+            }
+            self._layers = {
+                layer: t
+                for layer, t in served.items()
+                if self.host_served(t) and self.pipelined(t) and t.weight.shape[0] != 0
+            }
         return self._layers
 
     def _fetch_ahead(self, layer_idx: int) -> None:
@@ -922,22 +944,22 @@ class StemTableRows:
         unique, _ = self.distinct()
         main = self._main_stream()  # read in this thread: the worker's current stream is another
         for layer in layers_ahead(self.pipelined_layers(), layer_idx, (self._ahead, self._served)):
-            self._ahead[layer] = _row_worker().submit(self._fetch, self.source(layer)[0], unique, main)
+            self._ahead[layer] = _row_worker().submit(self._fetch, self.pipelined_layers()[layer], unique, main)
 
     def _fetch_at_once(self) -> None:
         """Fetches the rows of every `pipelined` host table not yet fetched, here: each table gathered into its slice
         of one pinned buffer per dtype, whose copy runs on the side stream (one copy, one event)."""
         unique, _ = self.distinct()
         groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
-        for layer in self.pipelined_layers():
+        for layer, table in self.pipelined_layers().items():
             if layer not in self._ahead and layer not in self._served:
-                weight = self.source(layer)[0].weight
+                weight = table.weight
                 groups.setdefault((weight.dtype, weight.shape[1:]), []).append(layer)
         pinned = self.stem_input_ids.device.type == "cuda"
         for (dtype, row), layers in groups.items():
             staged = torch.empty((len(layers), len(unique), *row), dtype=dtype, pin_memory=pinned)
             for at, layer in enumerate(layers):
-                weight = self.source(layer)[0].weight
+                weight = self.pipelined_layers()[layer].weight
                 settle(weight)
                 gather_rows(weight.detach(), unique, out=staged[at])
             rows, ready = copy_staged(staged, self.stem_input_ids.device, self._main_stream())
@@ -1158,13 +1180,14 @@ class StemTables(nn.ModuleDict):
                 part.to(torch.float32)  # the module's own cast: StemTables._apply would refuse it
         numel = sum(w.numel() for parts in casts.values() for part in parts for w in part.parameters())
         keys = list(casts)
-        rows_only = not any(isinstance(part, StemTable) for parts in casts.values() for part in parts)
+        if not any(isinstance(part, StemTable) for parts in casts.values() for part in parts):
+            logger.warning_once(f"The rows PEFT trains of STEM tables {keys} train in float32: cast in memory")
+            return keys
         logger.warning_once(
-            f"{'The rows PEFT trains of ' if rows_only else ''}STEM tables {keys} train in float32: cast from {stored} "
-            "in memory "
-            f"({numel * 4 / 2**30:.2f} GiB), and saves write them in float32 "
-            "(save_pretrained(..., table_dtype='bfloat16') rounds them). Freeze them (requires_grad_(False)) or set "
-            "model.base_model.stem_tables.upcast_for_training = False to keep them as stored"
+            f"STEM tables {keys} train in float32: cast from {stored} in memory ({numel * 4 / 2**30:.2f} GiB), and "
+            "saves write them in float32 (save_pretrained(..., table_dtype='bfloat16') rounds them). Freeze them "
+            "(requires_grad_(False)) or set model.base_model.stem_tables.upcast_for_training = False to keep them as "
+            "stored"
         )
         return keys
 

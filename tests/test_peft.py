@@ -311,24 +311,47 @@ def test_the_offload_engine_refuses_tables_peft_wraps_and_serves_the_merged_mode
 
 
 @pytest.mark.parametrize("wrapped", [True, False])
-def test_edits_and_injections_refuse_tables_peft_wraps(wrapped):
-    """An edit or an injection writes (or reads) the tables' rows: through PEFT's wrapper, a write went to a merged
-    copy and was lost. Both refuse a model whose tables PEFT wraps, and a PEFT model, naming the way out."""
+def test_persisted_edits_and_injections_refuse_tables_peft_wraps(wrapped):
+    """A persisted edit or an injection writes the tables' rows: through PEFT's wrapper, a write went to a merged copy
+    and was lost. Both refuse a model whose tables PEFT wraps, and a PEFT model, naming the way out. An editor writes
+    nothing (it points ids elsewhere): it serves the wrapped model, trained rows included."""
     from stem_hf.editing import StemEdit, StemEditor, persist_edit, persisted
     from stem_hf.injection import inject_fact
 
     model = _token_model().eval()
     target = model.base_model.model if wrapped else model
     problem = "STEM tables .* are wrapped" if wrapped else "PeftModelForCausalLM is not a STEM model"
-    edit = StemEdit(source=(ROWS[0],), target=(11,))
-    with pytest.raises(ValueError, match=rf"edit: {problem}.*merge_and_unload\(\)"):
+    edit = StemEdit(source=(7,), target=(ROWS[1],))  # onto a trained row
+    with pytest.raises(ValueError, match=rf"persist_edit: {problem}.*merge_and_unload\(\)"):
         persist_edit(target, edit)
-    with pytest.raises(ValueError, match=rf"edit: {problem}.*merge_and_unload\(\)"):
-        StemEditor(target, [edit])
-    with pytest.raises(ValueError, match=rf"edit: {problem}.*merge_and_unload\(\)"), persisted(target, edit):
+    with pytest.raises(ValueError, match=rf"persisted: {problem}.*merge_and_unload\(\)"), persisted(target, edit):
         pass
     with pytest.raises(ValueError, match=rf"inject_fact: {problem}.*merge_and_unload\(\)"):
         inject_fact(target, None, ["a fact"], 11)
+    if wrapped:
+        with torch.no_grad():
+            expected = model(input_ids=TOKEN_IDS, stem_input_ids=TOKEN_IDS.where(TOKEN_IDS != 7, ROWS[1])).logits
+            assert not torch.allclose(expected, model(input_ids=TOKEN_IDS).logits)
+            with StemEditor(target, [edit]):
+                torch.testing.assert_close(model(input_ids=TOKEN_IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_the_wrapper_check_takes_a_checkpoint_loaded_with_its_own_code(tmp_path):
+    """A checkpoint loaded with trust_remote_code brings its own copy of the model's classes: the check refuses PEFT's
+    wrappers, not tables of another class."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from stem_hf.editing import StemEdit, persist_edit
+    from stem_hf.offload import StemOffloadEngine
+
+    _base().save_pretrained(tmp_path)
+    remote = get_class_from_dynamic_module("modeling_stem.StemForCausalLM", str(tmp_path))  # what auto_map names
+    model = remote.from_pretrained(tmp_path).eval()
+    assert type(model).__module__.startswith("transformers_modules.")
+    with torch.no_grad(), StemOffloadEngine(model):
+        model(input_ids=TOKEN_IDS)
+    persist_edit(model, StemEdit(source=(7,), target=(ROWS[1],)))
+    torch.testing.assert_close(model.model.stem_tables["1"].weight[7], model.model.stem_tables["1"].weight[ROWS[1]])
 
 
 @torch.no_grad()
