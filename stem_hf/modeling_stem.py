@@ -314,7 +314,7 @@ def _usual(table: nn.Embedding) -> bool:
 
 
 def _trained_parts(module: nn.Module) -> list[nn.Module]:
-    """What may train of a table's module: the table; under PEFT's trainable tokens, the trained rows too."""
+    """What may train of a table's module: the table (first); under PEFT's trainable tokens, the trained rows too."""
     table = base_table(module)
     return [module] if table is module else [table, getattr(module.token_adapter, "trainable_tokens_delta", table)]
 
@@ -1131,9 +1131,10 @@ class StemTables(nn.ModuleDict):
 
     def forward(self, stem_input_ids: torch.LongTensor) -> StemTableRows:
         # Under PEFT's trainable tokens, the tables themselves: a read of the wrapper's `weight` copies the whole table.
-        tables = [base_table(t) for t in self.values()] if torch.is_grad_enabled() else []
-        if self.training and tables:
-            weights = [w for t in self.values() for part in _trained_parts(t) for w in part.parameters()]
+        parts = [_trained_parts(t) for t in self.values()] if torch.is_grad_enabled() else []
+        tables = [table for table, *_ in parts]  # the first part: the table itself
+        if self.training and parts:
+            weights = [w for each in parts for part in each for w in part.parameters()]
             low = {str(w.dtype)[6:] for w in weights if w.requires_grad and w.dtype != torch.float32}
             if low:
                 logger.warning_once(
