@@ -1064,28 +1064,37 @@ def _on_accelerator(param: torch.Tensor) -> bool:
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
     table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
-    Warns once per optimizer that decays a table: a plain `Trainer` decays every matrix but norms and biases, and
-    decoupled decay shrinks every row at each step, its token in the batch or not; no model-side setting reaches
-    Trainer's groups. A group marked `decay_tables=True` decays them on purpose (the paper's recipe): no warning. Warns
-    once per optimizer that steps host tables with dense gradients for a model elsewhere (a plain `Trainer`)."""
+    Warns once per optimizer that decays a table, or PEFT's trained rows of one: a plain `Trainer` decays every
+    parameter but norms and biases, and decoupled decay shrinks every row at each step, its token in the batch or
+    not; no model-side setting reaches Trainer's groups. A group marked `decay_tables=True` decays them on purpose
+    (the paper's recipe): no warning. Warns once per optimizer that steps host tables with dense gradients for a model
+    elsewhere (a plain `Trainer`)."""
     tables = getattr(optimizer, "_stem_tables", None)
     if tables is None:
         tables = optimizer._stem_tables = [
-            (group, p) for group in optimizer.param_groups for p in group["params"] if getattr(p, "_stem_table", False)
+            (group, p)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if getattr(p, "_stem_table", False) or getattr(p, "_stem_trained_rows", False)
         ]
         decayed = [g for g, _ in tables if g.get("weight_decay") and not g.get("decay_tables")]
         decayed = decayed[0] if decayed else None
         if decayed is not None:
             logger.warning(
-                f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables: every row "
-                "shrinks at each step, its token in the batch or not. Put the tables in a group with weight_decay=0 "
-                "(stem_hf.training.param_groups), or train with stem_hf.training.StemTrainer, which does"
+                f"{type(optimizer).__name__} applies weight_decay={decayed['weight_decay']} to STEM tables (or to the "
+                "rows PEFT trains of them): every row shrinks at each step, its token in the batch or not. Put the "
+                "tables in a group with weight_decay=0 (stem_hf.training.param_groups), or train with "
+                "stem_hf.training.StemTrainer, which does"
             )
         # The plain Trainer path over host tables: correct, and slow. The paper's recipe is dense on purpose.
         host = [
             p
             for g, p in tables
-            if p.device.type == "cpu" and p.grad is not None and not p.grad.is_sparse and not g.get("decay_tables")
+            if getattr(p, "_stem_table", False)
+            and p.device.type == "cpu"
+            and p.grad is not None
+            and not p.grad.is_sparse
+            and not g.get("decay_tables")
         ]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if host and any(p.grad is not None and _on_accelerator(p) for p in params):
@@ -1154,8 +1163,12 @@ class StemTables(nn.ModuleDict):
             for weight in trainable:
                 weight._stem_table = True  # lets `_check_optimizer` tell tables from other matrices
                 weight.stem_reads_wait = True  # this file's reads of it wait for a write behind: one may be made
+            # PEFT's trained rows (trainable tokens) decay as a table would: `_check_optimizer` names that too
+            rows = [w for t in self.values() for part in _trained_parts(t)[1:] for w in part.parameters()]
+            for weight in rows:
+                weight._stem_trained_rows = True
             global _OPTIMIZER_HOOK
-            if trainable and _OPTIMIZER_HOOK is None:
+            if (trainable or rows) and _OPTIMIZER_HOOK is None:
                 _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
             # A model wrapped for DDP/FSDP cannot change a parameter's dtype: there, upcast_trainable() is the
             # caller's, before wrapping, and the forward warns.

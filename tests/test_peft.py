@@ -291,6 +291,27 @@ def test_train_casts_the_trained_rows_to_float32_and_leaves_the_table_peft_freez
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_an_optimizer_that_decays_the_rows_peft_trains_is_named_once(caplog):
+    """A plain Trainer's AdamW decays PEFT's trained rows (they are neither norms nor biases), which shrinks every
+    trained row at each step, its token in the batch or not: named once, as for a table. `param_groups` keeps them
+    out of decay: no warning."""
+    from transformers.utils import logging
+
+    from stem_hf.training import param_groups
+
+    model = _token_model().train()
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n.endswith("stem_tables.1.weight"))
+    logger = logging.get_logger("stem_hf.modeling_stem")
+    plain = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+    grouped = torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.1), lr=1e-3)
+    with caplog.at_level("WARNING", logger=logger.name):
+        for optimizer in (grouped, plain, plain):
+            _step(model, TOKEN_IDS)
+            optimizer.step()
+    assert caplog.text.count("applies weight_decay=0.1 to STEM tables (or to the rows PEFT trains of them)") == 1
+    assert "dense gradients" not in caplog.text  # rows, not a [vocab, d_ff] table
+
+
 @pytest.mark.parametrize("peft_kwargs", [{"token_ids": ROWS}, {"modules_to_save": ["stem_tables.1"]}])
 def test_the_offload_engine_refuses_tables_peft_wraps_and_serves_the_merged_model(peft_kwargs):
     """The engine serves a copy of the tables' rows, which would not follow an adapter: it refuses a PEFT model and a
