@@ -78,10 +78,22 @@ def rename_cache(kwargs: dict, name: str, owner: str) -> dict:
     return kwargs
 
 
+# From 5.24 on an attention layer updates every cache itself, handing it the forward's keywords, where continuous
+# batching's paged cache (no `Cache`) finds its indices; before, the attention function was given that cache as `cache`
+# and updated it.
+LAYER_UPDATES_PAGED_CACHE = CACHE_ARG == "cache"
+# What continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve`) gives a model forward
+# beyond its named inputs, for paged attention, under every supported transformers (its `PagedAttentionArgs`, which it
+# does not export; `tests/test_compat.py` compares them): passed on to the attention layers, as Llama's forward does.
+PAGED_ATTENTION_KWARGS = frozenset(
+    {"block_table", "logits_indices", "logits_processor_args", "read_index", "write_index"}
+    | {"max_seqlen_k", "max_seqlen_q"}  # 5.18's names of `max_length_k` and `max_length_q`
+)
 # The extra keywords a model forward passes on: the installed transformers' `TransformersKwargs`, its debugging
-# switches (read by `merge_with_config_defaults`, allowed by `generate`), and `token_type_ids`, which some tokenizers
-# return and which a decoder without token types ignores, as Llama does.
+# switches (read by `merge_with_config_defaults`, allowed by `generate`), continuous batching's, and `token_type_ids`,
+# which some tokenizers return and which a decoder without token types ignores, as Llama does.
 MODEL_KWARGS = frozenset(TransformersKwargs.__annotations__) | {"debug_io", "debug_io_dir", "prune_layers"}
+MODEL_KWARGS |= PAGED_ATTENTION_KWARGS
 IGNORED_KWARGS = frozenset({"token_type_ids"})
 
 
@@ -138,7 +150,9 @@ __all__ = [
     "CACHE_ARG",
     "CACHE_ARGS",
     "IGNORED_KWARGS",
+    "LAYER_UPDATES_PAGED_CACHE",
     "MODEL_KWARGS",
+    "PAGED_ATTENTION_KWARGS",
     "SUPPORTED_TRANSFORMERS",
     "check_model_kwargs",
     "check_transformers_version",

@@ -41,6 +41,7 @@ from .checkpoint_stem import FREED_TABLES, load_checkpoint, save_checkpoint, uns
 from .compat_stem import (
     CACHE_ARG,
     CACHE_ARGS,
+    LAYER_UPDATES_PAGED_CACHE,
     check_model_kwargs,
     check_transformers_version,
     rename_cache,
@@ -190,8 +191,12 @@ class StemAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if cache is not None:
+        if cache is not None and LAYER_UPDATES_PAGED_CACHE:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        elif isinstance(cache, Cache):
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        elif cache is not None:  # continuous batching's paged cache before transformers 5.24: updated by attention
+            kwargs = {**kwargs, "cache": cache}
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -1364,6 +1369,28 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
         raise ValueError(f"{name} holds token id {bad}, outside [0, {vocab_size}): vocab_size is {vocab_size}")
 
 
+def capturing_graph(tensor: torch.Tensor) -> bool:
+    """Whether the forward that `tensor` enters is being captured into a CUDA graph (continuous batching, as in
+    `generate_batch`, captures forwards): the graph's replays run none of its Python."""
+    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_graph_capture(tables: "StemTables", ids: torch.Tensor, source: StemRowSource | None) -> None:
+    """Raises, before anything syncs, where a forward of `ids` being captured into a CUDA graph would read table rows
+    from another device than the ids' (host memory) or from a row source (an offload engine): the host's part of that
+    is Python, which the graph's replays would skip, serving the captured batch's rows to every later one."""
+    devices = {key: base_table(table).weight.device for key, table in tables.items()}
+    host = [key for key, device in devices.items() if device != ids.device and device.type != "meta"]
+    if source is None and not host:
+        return
+    where = f"STEM tables {host} in host memory" if source is None else f"a row source ({type(source).__name__})"
+    raise RuntimeError(
+        f"this forward is being captured into a CUDA graph, whose replays run no Python, but its rows come from "
+        f"{where}, which needs the host at every forward. Keep the tables on the GPU (keep_tables_on_cpu=False), or "
+        "run continuous batching without CUDA graphs: ContinuousBatchingConfig(use_cuda_graph=False)"
+    )
+
+
 class StemPreTrainedModel(PreTrainedModel):
     config: StemConfig
     config_class = StemConfig
@@ -1503,6 +1530,8 @@ class StemModel(StemPreTrainedModel):
             layers = tuple(int(key) for key, table in self.stem_tables.items() if outside_graph(base_table(table)))
             if layers:
                 outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
+        if capturing_graph(stem_input_ids):
+            refuse_graph_capture(self.stem_tables, stem_input_ids, self.row_source)
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
         if self.row_source is None and not torch.compiler.is_compiling():
             # The ids are known before any layer runs; `_layers_compiled` asked last, of host tables only.
@@ -1537,12 +1566,14 @@ class StemModel(StemPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         given = "input_ids" if input_ids is not None else "inputs_embeds"
-        if (input_ids if input_ids is not None else inputs_embeds).shape[1:2] == (0,):
-            shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
-            raise ValueError(f"{given} has shape {shape}: no position to run; give at least one token")
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        if inputs.shape[1:2] == (0,):
+            raise ValueError(f"{given} has shape {tuple(inputs.shape)}: no position to run; give at least one token")
         # Under torch.compile a check would be a graph break or a sync in the graph: compiled callers check their ids
-        # (generate does, once per prompt).
+        # (generate does, once per prompt). A CUDA graph's capture cannot sync at all, and its replays run no Python:
+        # there, as in Llama, ids go unchecked.
         checking = not torch.compiler.is_compiling() and id(self) not in _IDS_CHECKED.get()
+        checking = checking and not capturing_graph(inputs)
         if input_ids is not None and checking:
             check_token_ids(input_ids, self.config.vocab_size, "input_ids")
         if stem_input_ids is None:
@@ -1755,6 +1786,7 @@ __all__ = [
     "StemTables",
     "StemTrainedRows",
     "base_table",
+    "capturing_graph",
     "check_token_ids",
     "copies_grad_behind",
     "copy_staged",
@@ -1770,6 +1802,7 @@ __all__ = [
     "layers_ahead",
     "lookup_fuses",
     "outside_graph",
+    "refuse_graph_capture",
     "row_pieces",
     "rows_dynamic",
     "rows_outside_graph",

@@ -225,3 +225,69 @@ def test_the_copied_code_warns_under_a_transformers_outside_its_range(tmp_path, 
     module, messages = run.stdout.strip().splitlines()[-2:]
     assert module.startswith("transformers_modules")
     assert "transformers 5.99.0 is installed" in messages and "stem-hf refresh-code" in messages
+
+
+def _served_by_continuous_batching(model: StemForCausalLM, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    """`generate_batch`'s greedy tokens per prompt, in the prompts' order (a request that fails comes back empty)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=model.config.eos_token_id)
+    with torch.no_grad():
+        served = model.generate_batch(prompts, generation_config=config, warmup=False, **kwargs)
+    return [served[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+def test_continuous_batching_generates_the_saved_and_the_uncached_greedy_tokens(saved):
+    """`generate_batch` (and `transformers serve`) packs requests of several lengths into one row, with a paged cache
+    that the attention layers update under each transformers' protocol (from 5.24 the layer, given the forward's
+    keywords; before, the attention function): the tokens of the saved reference and of full forwards without a
+    cache. It failed before: the forward refused continuous batching's keywords, and the layer updated the paged
+    cache without its indices."""
+    shorter = PROMPTS[:1, :5]
+    prompts = [*PROMPTS.tolist(), shorter[0].tolist()]
+    with torch.no_grad():
+        assert torch.equal(greedy_without_cache(saved, PROMPTS, NEW_TOKENS), GREEDY)
+        later = greedy_without_cache(saved, shorter, NEW_TOKENS)[0, shorter.shape[1] :]
+    expected = [*GREEDY[:, PROMPTS.shape[1] :].tolist(), later.tolist()]
+    assert _served_by_continuous_batching(saved, prompts) == expected
+
+
+def test_continuous_batching_passes_only_keywords_the_forward_takes_on():
+    """Every keyword continuous batching gives a forward under the installed transformers (its `PagedAttentionArgs`)
+    is a named input of the model's forward or one it passes on: a release that adds one fails here, not in a
+    request that comes back empty."""
+    from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
+
+    from stem_hf.compat_stem import MODEL_KWARGS
+
+    named = set(inspect.signature(StemForCausalLM.forward).parameters) | {"cache"}
+    assert set(PagedAttentionArgs.__annotations__) - named <= MODEL_KWARGS
+
+
+def test_a_forward_captured_into_a_cuda_graph_syncs_nothing_and_refuses_rows_from_the_host(monkeypatch):
+    """Continuous batching captures forwards into CUDA graphs, which allow no host sync and whose replays run no
+    Python. While capturing (shown to the model as `capturing_graph`; tests/test_gpu.py captures for real), a forward
+    of resident tables syncs nothing (the id check is left out, as Llama has none), and one whose rows would come from
+    the host, or from a row source, raises before anything syncs, saying what to do."""
+    from stem_hf import modeling_stem
+    from stem_hf.host_syncs import HostSyncCounter
+
+    model = tiny_model().eval()
+    ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), HostSyncCounter() as syncs:
+        expected = model(ids).logits
+    assert syncs.count >= 1  # the id check, outside a capture
+    monkeypatch.setattr(modeling_stem, "capturing_graph", lambda tensor: True)
+    with torch.no_grad(), HostSyncCounter() as syncs:
+        logits = model(ids).logits
+    assert syncs.count == 0, syncs.by_op
+    assert torch.equal(logits, expected)
+
+    asked = []
+    model.model.set_row_source(lambda stem_ids: asked.append(stem_ids))
+    with pytest.raises(RuntimeError, match=r"a row source \(function\).*use_cuda_graph=False"):
+        model(ids)
+    assert not asked  # refused before the source ran
+    model.model.set_row_source(None)
+    with pytest.raises(RuntimeError, match=r"STEM tables \['1', '3'\] in host memory.*keep_tables_on_cpu=False"):
+        modeling_stem.refuse_graph_capture(model.model.stem_tables, ids.to("meta"), None)

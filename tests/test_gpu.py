@@ -729,3 +729,31 @@ def test_the_fused_lookup_is_the_cuda_default_and_gives_the_unfused_logits_token
     with torch.no_grad():
         bf16 = [m.eval().to(torch.bfloat16)(ids).logits for m in models]  # the tables stay float32
     _assert_close(bf16[0], bf16[1], BF16_TOL)
+
+
+def test_continuous_batching_captures_cuda_graphs_of_resident_tables_and_refuses_host_ones(caplog):
+    """`generate_batch` with CUDA graphs (what flash attention gets by default): with resident tables, the greedy
+    tokens of full forwards without a cache on the GPU; with host tables, each request fails
+    with the model's own error at the first capture, which names what to do, where a replay would serve the captured
+    batch's rows to every later batch."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from stem_hf.remote_check import greedy_without_cache
+
+    prompts = [_ids((1, n), seed=n)[0].tolist() for n in (5, 9, 12)]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    graphs = ContinuousBatchingConfig(use_cuda_graph=True)
+    model = tiny_model(keep_tables_on_cpu=False).to(CUDA).eval()
+    with torch.no_grad():
+        served = model.generate_batch(prompts, generation_config=config, continuous_batching_config=graphs)
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=CUDA)
+            expected = greedy_without_cache(model, ids, 6)[0, len(prompt) :].tolist()
+            assert served[f"req_{i}"].generated_tokens == expected, i
+
+    host = tiny_model().to(CUDA).eval()  # tables stay in host memory
+    assert host.model.stem_tables["1"].weight.device.type == "cpu"
+    with torch.no_grad(), caplog.at_level("ERROR"):
+        served = host.generate_batch(prompts, generation_config=config, continuous_batching_config=graphs)
+    assert all(not served.get(f"req_{i}") or not served[f"req_{i}"].generated_tokens for i in range(len(prompts)))
+    assert "use_cuda_graph=False" in caplog.text
