@@ -90,11 +90,12 @@ PAGED_ATTENTION_KWARGS = frozenset(
     | {"max_seqlen_k", "max_seqlen_q"}  # 5.18's names of `max_length_k` and `max_length_q`
 )
 # The extra keywords a model forward passes on: the installed transformers' `TransformersKwargs`, its debugging
-# switches (read by `merge_with_config_defaults`, allowed by `generate`), continuous batching's, and `token_type_ids`,
-# which some tokenizers return and which a decoder without token types ignores, as Llama does.
+# switches (read by `merge_with_config_defaults`, allowed by `generate`) and continuous batching's. Dropped, as Llama
+# ignores them: `token_type_ids`, which some tokenizers return and a decoder without token types ignores, and the
+# `tokenizer` that `generate(..., tokenizer=...)` (for `stop_strings`) hands every forward.
 MODEL_KWARGS = frozenset(TransformersKwargs.__annotations__) | {"debug_io", "debug_io_dir", "prune_layers"}
 MODEL_KWARGS |= PAGED_ATTENTION_KWARGS
-IGNORED_KWARGS = frozenset({"token_type_ids"})
+IGNORED_KWARGS = frozenset({"token_type_ids", "tokenizer"})
 
 
 def check_model_kwargs(owner: str, kwargs: dict) -> None:

@@ -291,3 +291,25 @@ def test_a_forward_captured_into_a_cuda_graph_syncs_nothing_and_refuses_rows_fro
     model.model.set_row_source(None)
     with pytest.raises(RuntimeError, match=r"STEM tables \['1', '3'\] in host memory.*keep_tables_on_cpu=False"):
         modeling_stem.refuse_graph_capture(model.model.stem_tables, ids.to("meta"), None)
+
+
+def test_generate_takes_the_tokenizer_it_hands_to_every_forward_and_stops_at_stop_strings():
+    """`generate(..., tokenizer=...)` (which `stop_strings` needs) hands the tokenizer to every forward, as Llama's
+    forward it is dropped there, not refused: with it the tokens of plain greedy decoding, and with a stop string
+    those tokens up to the first step whose text ends with it."""
+    from tests.conftest import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_model(vocab_size=len(tokenizer)).eval()
+    prompt = torch.tensor([tokenizer("the cat").input_ids])
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = model.generate(prompt, **greedy)
+        assert torch.equal(model.generate(prompt, tokenizer=tokenizer, **greedy), expected)
+        new = expected[0, prompt.shape[1] :].tolist()
+        # A later token's text (random bytes seldom decode to text: the first that is an ASCII letter or digit)
+        stop = next(text for text in map(tokenizer.decode, ([token] for token in new[1:])) if text.isalnum())
+        steps = next(n for n in range(1, len(new) + 1) if tokenizer.decode(new[:n]).endswith(stop))
+        stopped = model.generate(prompt, tokenizer=tokenizer, stop_strings=[stop], **greedy)
+    assert steps < len(new) and torch.equal(stopped, expected[:, : prompt.shape[1] + steps])

@@ -49,6 +49,24 @@ def _args(tmp_path, **overrides) -> TrainingArguments:
     return TrainingArguments(**{**defaults, **overrides})
 
 
+def test_plain_trainer_label_smoothing_learns_the_next_token(tmp_path):
+    """Trainer computes a label-smoothed loss itself, shifting the labels only for the causal LMs transformers lists by
+    class name; `import stem_hf` lists STEM. The loss is the hand-computed one of the next token, not that of the
+    current one (what an unlisted model got, silently)."""
+    model = tiny_model().eval()
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(str(tmp_path), label_smoothing_factor=0.1, report_to=[], use_cpu=True)
+    with torch.no_grad():
+        loss = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids.clone()})
+        logits = model(ids).logits.float()
+
+    def smoothed(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+
+    torch.testing.assert_close(loss, smoothed(logits[:, :-1], ids[:, 1:]), rtol=1e-5, atol=1e-6)
+    assert abs(loss - smoothed(logits, ids)) > 1e-3  # the current token's loss differs
+
+
 def test_param_groups_keep_tables_and_norms_out_of_weight_decay():
     model = _stem()
     model.model.layers[0].mlp.gate_proj.weight.requires_grad_(False)
