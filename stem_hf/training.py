@@ -963,6 +963,10 @@ def build_optimizer(
     return RowSparseAdamW(groups, betas=betas, eps=args.adam_epsilon, write_behind=write_behind)
 
 
+# The `TrainingArguments.optim` values whose optimizer StemTrainer's is: torch's AdamW, fused or not (the default).
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
 class StemTrainer(Trainer):
     """`Trainer` that builds the optimizer of a training `recipe`.
 
@@ -1023,6 +1027,13 @@ class StemTrainer(Trainer):
         row_sparse_tables = True if row_sparse_tables is None else row_sparse_tables
         self.table_lr, self.recipe = table_lr, recipe
         super().__init__(*args, **kwargs)
+        if self.optimizer is None and self.args.optim not in ADAMW_OPTIMS:  # it was ignored, with a warning
+            optim = getattr(self.args.optim, "value", self.args.optim)  # an OptimizerNames member
+            raise ValueError(
+                f"StemTrainer builds AdamW (RowSparseAdamW, or torch's under recipe='paper' and FSDP), but optim="
+                f"{optim!r} asks for another optimizer: leave optim at its default, or train with a plain Trainer "
+                "(optim=... applies there), or pass optimizers=(optimizer, None)"
+            )
         if recipe == "paper":
             check_paper_arguments(self.args)
         unsupported = self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.world_size > 1
@@ -1119,8 +1130,6 @@ class StemTrainer(Trainer):
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             model = self.model if model is None else model
-            if self.args.optim not in ("adamw_torch", "adamw_torch_fused"):
-                logger.warning(f"StemTrainer builds its own AdamW: optim={self.args.optim!r} is ignored")
             # Trainer may build the optimizer before FSDP2 shards the model, so ask Trainer, not the parameters.
             sharded = self.is_fsdp_enabled or any(type(p).__name__ == "DTensor" for p in model.parameters())
             self.optimizer = build_optimizer(

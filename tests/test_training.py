@@ -916,6 +916,20 @@ def test_only_tables_whose_model_waits_for_writes_are_written_behind():
         assert not torch.equal(table.weight, before)
 
 
+def test_stem_trainer_refuses_an_optim_it_would_not_build(tmp_path):
+    """StemTrainer builds AdamW: `optim="sgd"` (or adafactor, 8-bit AdamW...) was ignored with a warning, and the run
+    trained with AdamW. Refused before training; the AdamW values and a passed-in optimizer are accepted."""
+    model = _stem()
+    for optim in ("sgd", "adafactor", "adagrad"):
+        with pytest.raises(ValueError, match=f"optim='{optim}' asks for another optimizer"):
+            StemTrainer(model=model, args=_args(tmp_path, optim=optim))
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        trainer = StemTrainer(model=model, args=_args(tmp_path, optim=optim))
+        assert isinstance(trainer.create_optimizer(), RowSparseAdamW)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
+    assert StemTrainer(model=model, args=_args(tmp_path, optim="sgd"), optimizers=(sgd, None)).optimizer is sgd
+
+
 def test_write_behind_needs_the_row_sparse_optimizer_and_sparse_table_grads(tmp_path):
     model = _stem()
     with pytest.raises(ValueError, match="only RowSparseAdamW's row-sparse table groups"):
