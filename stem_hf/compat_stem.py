@@ -80,7 +80,8 @@ def rename_cache(kwargs: dict, name: str, owner: str) -> dict:
 
 # From 5.24 on an attention layer updates every cache itself, handing it the forward's keywords, where continuous
 # batching's paged cache (no `Cache`) finds its indices; before, the attention function was given that cache as `cache`
-# and updated it.
+# and updated it. Read off the cache's name, which changed in the same release: a proxy that holds for the supported
+# range (tests/test_compat.py runs continuous batching under 5.18, 5.23 and 5.24), to be checked at the next release.
 LAYER_UPDATES_PAGED_CACHE = CACHE_ARG == "cache"
 # What continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve`) gives a model forward
 # beyond its named inputs, for paged attention, under every supported transformers (its `PagedAttentionArgs`, which it

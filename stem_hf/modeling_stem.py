@@ -1067,8 +1067,9 @@ def _on_accelerator(param: torch.Tensor) -> bool:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook (process-wide, added once a table trains). Casts a table's optimizer state to the
-    table's dtype: a resumed `Trainer` loads the state before `train()` upcasts the tables, so torch cast it to bf16.
+    """Optimizer step pre-hook (process-wide, added once a table or PEFT's trained rows of one train). Casts their
+    optimizer state to their dtype: a resumed `Trainer` loads the state before `train()` upcasts them, so torch cast it
+    to bf16.
     Warns once per optimizer that decays a table, or PEFT's trained rows of one: a plain `Trainer` decays every
     parameter but norms and biases, and decoupled decay shrinks every row at each step, its token in the batch or
     not; no model-side setting reaches Trainer's groups. A group marked `decay_tables=True` decays them on purpose
@@ -1371,8 +1372,16 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
 
 def capturing_graph(tensor: torch.Tensor) -> bool:
     """Whether the forward that `tensor` enters is being captured into a CUDA graph (continuous batching, as in
-    `generate_batch`, captures forwards): the graph's replays run none of its Python."""
-    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    `generate_batch`, captures forwards): the graph's replays run none of its Python. Never asked while dynamo traces,
+    where the query would end the graph (it returns a Python bool)."""
+    if torch.compiler.is_compiling() or not captures_graphs(tensor.device):
+        return False
+    return torch.cuda.is_current_stream_capturing()
+
+
+def captures_graphs(device: torch.device) -> bool:
+    """Whether a forward on `device` may be captured into a graph that `capturing_graph` sees: CUDA's."""
+    return device.type == "cuda"
 
 
 def refuse_graph_capture(tables: "StemTables", ids: torch.Tensor, source: StemRowSource | None) -> None:
@@ -1380,10 +1389,12 @@ def refuse_graph_capture(tables: "StemTables", ids: torch.Tensor, source: StemRo
     from another device than the ids' (host memory) or from a row source (an offload engine): the host's part of that
     is Python, which the graph's replays would skip, serving the captured batch's rows to every later one."""
     devices = {key: base_table(table).weight.device for key, table in tables.items()}
-    host = [key for key, device in devices.items() if device != ids.device and device.type != "meta"]
-    if source is None and not host:
+    elsewhere = [key for key, device in devices.items() if device != ids.device and device.type != "meta"]
+    if source is None and not elsewhere:
         return
-    where = f"STEM tables {host} in host memory" if source is None else f"a row source ({type(source).__name__})"
+    where = f"a row source ({type(source).__name__})"
+    if source is None:
+        where = f"STEM tables {elsewhere} on another device than the ids (host memory)"
     raise RuntimeError(
         f"this forward is being captured into a CUDA graph, whose replays run no Python, but its rows come from "
         f"{where}, which needs the host at every forward. Keep the tables on the GPU (keep_tables_on_cpu=False), or "
@@ -1786,6 +1797,7 @@ __all__ = [
     "StemTables",
     "StemTrainedRows",
     "base_table",
+    "captures_graphs",
     "capturing_graph",
     "check_token_ids",
     "copies_grad_behind",

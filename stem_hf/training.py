@@ -397,10 +397,10 @@ class RowSparseAdamW(torch.optim.Optimizer):
         self._rows_bound: dict[torch.Tensor, int] = {}  # per table on an accelerator: rows with moments, at most
         super().__init__(params, defaults)
         for group in self.param_groups:
-            if not isinstance(group["lr"], (int, float)):  # a tensor lr failed in the first step, in a foreach op
+            if isinstance(group["lr"], torch.Tensor):  # it failed in the first step, in a foreach op
                 raise ValueError(
-                    f"RowSparseAdamW: lr is a number, not {type(group['lr']).__name__} (a tensor lr is for torch's "
-                    "capturable optimizers): pass float(lr)"
+                    "RowSparseAdamW: lr must be a number, not a tensor (a tensor lr is for torch's capturable "
+                    "optimizers): pass float(lr)"
                 )
             if group["row_sparse"] and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("RowSparseAdamW: row_sparse groups hold 2-D parameters only (tables, embeddings)")

@@ -238,17 +238,17 @@ def _served_by_continuous_batching(model: StemForCausalLM, prompts: list[list[in
 
 
 def test_continuous_batching_generates_the_saved_and_the_uncached_greedy_tokens(saved):
-    """`generate_batch` (and `transformers serve`) packs requests of several lengths into one row, with a paged cache
-    that the attention layers update under each transformers' protocol (from 5.24 the layer, given the forward's
-    keywords; before, the attention function): the tokens of the saved reference and of full forwards without a
-    cache. It failed before: the forward refused continuous batching's keywords, and the layer updated the paged
-    cache without its indices."""
-    shorter = PROMPTS[:1, :5]
-    prompts = [*PROMPTS.tolist(), shorter[0].tolist()]
+    """`generate_batch` (and `transformers serve`) packs requests of several lengths (8, 8, 5 and 6 here) into one
+    row, with a paged cache that the attention layers update under each transformers' protocol (from 5.24 the layer,
+    given the forward's keywords; before, the attention function): the tokens of the saved reference and of full
+    forwards without a cache. It failed before: the forward refused continuous batching's keywords, and the layer
+    updated the paged cache without its indices."""
+    shorter = [PROMPTS[:1, :5], PROMPTS[1:, :6]]
+    prompts = [*PROMPTS.tolist(), *(prompt[0].tolist() for prompt in shorter)]
     with torch.no_grad():
         assert torch.equal(greedy_without_cache(saved, PROMPTS, NEW_TOKENS), GREEDY)
-        later = greedy_without_cache(saved, shorter, NEW_TOKENS)[0, shorter.shape[1] :]
-    expected = [*GREEDY[:, PROMPTS.shape[1] :].tolist(), later.tolist()]
+        later = [greedy_without_cache(saved, prompt, NEW_TOKENS)[0, prompt.shape[1] :] for prompt in shorter]
+    expected = [*GREEDY[:, PROMPTS.shape[1] :].tolist(), *(tokens.tolist() for tokens in later)]
     assert _served_by_continuous_batching(saved, prompts) == expected
 
 
@@ -289,7 +289,7 @@ def test_a_forward_captured_into_a_cuda_graph_syncs_nothing_and_refuses_rows_fro
         model(ids)
     assert not asked  # refused before the source ran
     model.model.set_row_source(None)
-    with pytest.raises(RuntimeError, match=r"STEM tables \['1', '3'\] in host memory.*keep_tables_on_cpu=False"):
+    with pytest.raises(RuntimeError, match=r"STEM tables \['1', '3'\] on another device.*keep_tables_on_cpu=False"):
         modeling_stem.refuse_graph_capture(model.model.stem_tables, ids.to("meta"), None)
 
 
@@ -313,3 +313,23 @@ def test_generate_takes_the_tokenizer_it_hands_to_every_forward_and_stops_at_sto
         steps = next(n for n in range(1, len(new) + 1) if tokenizer.decode(new[:n]).endswith(stop))
         stopped = model.generate(prompt, tokenizer=tokenizer, stop_strings=[stop], **greedy)
     assert steps < len(new) and torch.equal(stopped, expected[:, : prompt.shape[1] + steps])
+
+
+def test_the_capture_query_stays_out_of_a_compiled_forward(monkeypatch):
+    """A compiled forward on CUDA never asks whether it is being captured: dynamo would put the query in the graph,
+    and its Python bool ends the graph (`fullgraph=True` fails, and without it every forward breaks once more). Shown
+    here with the query answering as a CUDA build does outside a capture, on a device taken for one that captures."""
+    import torch.cuda.graphs
+
+    from stem_hf import modeling_stem
+
+    monkeypatch.setattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", lambda: False)
+    monkeypatch.setattr(modeling_stem, "captures_graphs", lambda device: True)
+    model = tiny_model(keep_tables_on_cpu=False).eval()
+    ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.compiler.reset()
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
+    torch.compiler.reset()
+    torch.testing.assert_close(compiled, expected)

@@ -890,8 +890,9 @@ def test_bad_optimizer_settings_are_clear_errors():
     with pytest.raises(ValueError, match="2-D parameters only"):
         RowSparseAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "row_sparse": True}])
     weight = torch.nn.Parameter(torch.zeros(2, 2))
+    # Before, a tensor lr failed at the first step, in a foreach op's TypeError
     for params, lr in (([weight], torch.tensor(1e-3)), ([{"params": [weight], "lr": torch.tensor(1e-3)}], 1e-3)):
-        with pytest.raises(ValueError, match="lr is a number, not Tensor.*float"):  # before: a foreach op's TypeError
+        with pytest.raises(ValueError, match="lr must be a number, not a tensor.*float"):
             RowSparseAdamW(params, lr=lr)
     sparse = torch.nn.Embedding(10, 4, sparse=True)
     opt = RowSparseAdamW([{"params": sparse.parameters()}])
