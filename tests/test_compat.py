@@ -3,6 +3,7 @@ cache under the name the installed transformers passes, generation against fixed
 transformers 5.23, uncached greedy), unknown arguments refused, and the supported range checked."""
 
 import inspect
+import json
 import logging
 import os
 import subprocess
@@ -20,7 +21,7 @@ from transformers import DynamicCache, Trainer, TrainingArguments
 from stem_hf import StemForCausalLM
 from stem_hf.compat_stem import CACHE_ARG, SUPPORTED_TRANSFORMERS, check_transformers_version, supports_transformers
 from stem_hf.remote_check import greedy_without_cache
-from tests.conftest import _dataset, tiny_model
+from tests.conftest import _dataset, benchmark_script, tiny_model
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "saved-5.23")
 REFERENCE = load_file(os.path.join(DATA, "reference.safetensors"))
@@ -333,3 +334,19 @@ def test_the_capture_query_stays_out_of_a_compiled_forward(monkeypatch):
         compiled = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
     torch.compiler.reset()
     torch.testing.assert_close(compiled, expected)
+
+
+@pytest.mark.slow
+def test_the_serving_benchmark_times_dense_and_stem_and_checks_their_tokens(tmp_path, monkeypatch):
+    """`benchmarks/bench_serve.py` at a tiny shape: both models served by continuous batching, in turn, each request's
+    tokens those of uncached greedy decoding, every ratio beside its FLOP prediction."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    out = tmp_path / "serve.json"
+    argv = ["bench_serve.py", "--requests", "4", "--prompt-lens", "5,9", "--new-tokens", "4", "--repeats", "2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    benchmark_script("bench_serve").main()
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["prompt_lens"] == [5, 9] and len(report["dense"]["rounds_s"]) == 2
+    stem = report["stem_1_2"]
+    assert stem["same_tokens_as_uncached"] and stem["s"] > 0 and stem["predicted_speedup"] > 1
+    assert stem["speedup"] == pytest.approx(report["dense"]["s"] / stem["s"], rel=0.02)  # of the unrounded medians
