@@ -1069,8 +1069,7 @@ def _on_accelerator(param: torch.Tensor) -> bool:
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Optimizer step pre-hook (process-wide, added once a table or PEFT's trained rows of one train). Casts their
     optimizer state to their dtype: a resumed `Trainer` loads the state before `train()` upcasts them, so torch cast it
-    to bf16.
-    Warns once per optimizer that decays a table, or PEFT's trained rows of one: a plain `Trainer` decays every
+    to bf16. Warns once per optimizer that decays a table, or PEFT's trained rows of one: a plain `Trainer` decays every
     parameter but norms and biases, and decoupled decay shrinks every row at each step, its token in the batch or
     not; no model-side setting reaches Trainer's groups. A group marked `decay_tables=True` decays them on purpose
     (the paper's recipe): no warning. Warns once per optimizer that steps host tables with dense gradients for a model

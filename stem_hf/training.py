@@ -1027,7 +1027,7 @@ class StemTrainer(Trainer):
         row_sparse_tables = True if row_sparse_tables is None else row_sparse_tables
         self.table_lr, self.recipe = table_lr, recipe
         super().__init__(*args, **kwargs)
-        if self.optimizer is None and self.args.optim not in ADAMW_OPTIMS:  # it was ignored, with a warning
+        if self.optimizer is None and self.args.optim not in ADAMW_OPTIMS:  # else AdamW would train in its place
             optim = getattr(self.args.optim, "value", self.args.optim)  # an OptimizerNames member
             raise ValueError(
                 f"StemTrainer builds AdamW (RowSparseAdamW, or torch's under recipe='paper' and FSDP), but optim="
