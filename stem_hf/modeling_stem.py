@@ -1513,10 +1513,11 @@ class StemModel(StemPreTrainedModel):
                    for layer in self.layers)  # fmt: skip
 
     def stem_rows(
-        self, stem_input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor, soft_allowed: bool
+        self, stem_input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor, soft_allowed: bool, capturing: bool
     ) -> StemRows:
         """This forward's table rows for `stem_input_ids`, from the row source. `soft_allowed`: the inputs are
-        embeddings, whose first positions may be soft prompts without a token."""
+        embeddings, whose first positions may be soft prompts without a token. `capturing`: the forward is being
+        captured into a CUDA graph (`capturing_graph`)."""
         if stem_input_ids is None:
             raise ValueError(
                 f"this model has STEM layers {self.config.stem_layers}, whose tables are indexed by token ids: "
@@ -1540,7 +1541,7 @@ class StemModel(StemPreTrainedModel):
             layers = tuple(int(key) for key, table in self.stem_tables.items() if outside_graph(base_table(table)))
             if layers:
                 outside = dict(zip(layers, rows_outside_graph(self.stem_tables, stem_input_ids, layers), strict=True))
-        if capturing_graph(stem_input_ids):
+        if capturing:
             refuse_graph_capture(self.stem_tables, stem_input_ids, self.row_source)
         stem_rows = (self.stem_tables if self.row_source is None else self.row_source)(stem_input_ids)
         if self.row_source is None and not torch.compiler.is_compiling():
@@ -1582,8 +1583,8 @@ class StemModel(StemPreTrainedModel):
         # Under torch.compile a check would be a graph break or a sync in the graph: compiled callers check their ids
         # (generate does, once per prompt). A CUDA graph's capture cannot sync at all, and its replays run no Python:
         # there, as in Llama, ids go unchecked.
-        checking = not torch.compiler.is_compiling() and id(self) not in _IDS_CHECKED.get()
-        checking = checking and not capturing_graph(inputs)
+        capturing = capturing_graph(inputs)  # asked once per forward: the id check and the rows' source need it
+        checking = not torch.compiler.is_compiling() and id(self) not in _IDS_CHECKED.get() and not capturing
         if input_ids is not None and checking:
             check_token_ids(input_ids, self.config.vocab_size, "input_ids")
         if stem_input_ids is None:
@@ -1594,7 +1595,7 @@ class StemModel(StemPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         stem_rows = None
         if self.config.stem_layers:
-            stem_rows = self.stem_rows(stem_input_ids, inputs_embeds, soft_allowed=input_ids is None)
+            stem_rows = self.stem_rows(stem_input_ids, inputs_embeds, input_ids is None, capturing)
 
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
